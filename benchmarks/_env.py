@@ -1,0 +1,52 @@
+"""Shared provenance for benchmark results: hardware, versions and the git commit."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def git_commit() -> str:
+    """Short commit of the working tree, with ``-dirty`` when it has uncommitted changes."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        return commit + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def hardware(device: torch.device) -> str:
+    """A one-line description of the device the benchmark ran on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def provenance(device: torch.device) -> dict[str, str]:
+    """Key facts recorded at the top of every results file."""
+    versions = (
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    return {"hardware": hardware(device), "versions": versions, "commit": git_commit()}

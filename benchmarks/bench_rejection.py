@@ -1,0 +1,105 @@
+"""Latency of lossless verification per (batch, block, vocabulary), per backend.
+
+Runs `rejection_sample` on random processed distributions for every (B, K, V) in the grid and
+records the median latency of each backend available on the device: the PyTorch reference
+everywhere, the Triton kernel on CUDA. Draws come from Philox (the production path, noise made on
+the fly) and from explicit draws (the kernel alone). Input validation is off, as in the
+generation loop. Results go to `benchmarks/results/rejection_<device>.csv`, headed by hardware,
+versions and commit.
+
+    python benchmarks/bench_rejection.py                 # CPU: the reference
+    python benchmarks/bench_rejection.py --device cuda   # GPU: reference and Triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _env import provenance
+from tqdm import tqdm
+
+from spark_generate.kernels import rejection_sample
+from spark_generate.kernels._availability import triton_supports
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_inputs(batch_size: int, block_size: int, vocab_size: int, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    target_probs = torch.randn(batch_size, block_size + 1, vocab_size, device=device, generator=gen).softmax(-1)
+    draft_probs = torch.randn(batch_size, block_size, vocab_size, device=device, generator=gen).softmax(-1)
+    draft_token_ids = torch.randint(0, vocab_size, (batch_size, block_size), device=device, generator=gen)
+    num_draft_tokens = torch.full((batch_size,), block_size, device=device)
+    # Drafts equal to the target at the first slots so that the scan runs past slot 0.
+    draft_probs[:, : block_size // 2] = target_probs[:, : block_size // 2]
+    return target_probs, draft_probs, draft_token_ids, num_draft_tokens
+
+
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[32_000, 152_064])
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per configuration (median kept)")
+    parser.add_argument("--output", type=Path, default=None, help="CSV path (default: results/rejection_<device>.csv)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    backends = ["torch"] + (["triton"] if triton_supports(device) and device.type == "cuda" else [])
+    output = args.output or RESULTS / f"rejection_{device.type}.csv"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    grid = [(b, k, v) for v in args.vocab_sizes for k in args.block_sizes for b in args.batch_sizes]
+    rows = []
+    for batch_size, block_size, vocab_size in tqdm(grid, desc="rejection_sample"):
+        inputs = make_inputs(batch_size, block_size, vocab_size, device)
+        uniforms = torch.rand(batch_size, block_size, device=device)
+        noise = 1 / torch.empty(batch_size, vocab_size, device=device).exponential_()
+        for backend in backends:
+            for mode, draws in (
+                ("philox", dict(seed=1, positions=100)),
+                ("explicit", dict(uniforms=uniforms, noise=noise)),
+            ):
+                seconds = median_seconds(
+                    lambda: rejection_sample(*inputs, **draws, backend=backend, validate=False),  # noqa: B023
+                    device,
+                    args.repeats,
+                )
+                rows.append(dict(batch=batch_size, block=block_size, vocab=vocab_size, backend=backend, draws=mode,
+                                 microseconds=round(seconds * 1e6, 1)))  # fmt: skip
+
+    with output.open("w", newline="") as f:
+        for key, value in provenance(device).items():
+            f.write(f"# {key}: {value}\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {output}")
+    print(f"{'B':>4} {'K':>4} {'V':>8} {'backend':>8} {'draws':>9} {'latency (us)':>14}")
+    for row in rows:
+        print(f"{row['batch']:>4} {row['block']:>4} {row['vocab']:>8} {row['backend']:>8} {row['draws']:>9} "
+              f"{row['microseconds']:>14.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
