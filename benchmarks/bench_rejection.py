@@ -62,9 +62,12 @@ def main() -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[32_000, 152_064])
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per configuration (median kept)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--output", type=Path, default=None, help="CSV path (default: results/rejection_<device>.csv)")
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     backends = ["torch"] + (["triton"] if triton_supports(device) and device.type == "cuda" else [])
     output = args.output or RESULTS / f"rejection_{device.type}.csv"

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_generate.kernels import rejection_sample
-from spark_generate.kernels.reference import philox_uniform
+from spark_generate.kernels.reference import philox_uniform, philox_uniform4x
 
 triton = pytest.importorskip("triton", reason="the triton package is not installed")
 tl = pytest.importorskip("triton.language")
@@ -124,21 +124,46 @@ def _philox_uniform_kernel(seeds_ptr, offsets_ptr, out_ptr, n, BLOCK: tl.constex
     tl.store(out_ptr + row * n + index, tl.rand(seed, offsets), mask=mask)
 
 
-def test_philox_port_equals_triton_rand_bit_for_bit():
+@triton.jit
+def _philox_uniform4x_kernel(seeds_ptr, offsets_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    index = tl.arange(0, BLOCK)
+    mask = index < n
+    seed = tl.load(seeds_ptr + row)
+    offsets = tl.load(offsets_ptr + row * n + index, mask=mask, other=0)
+    u0, u1, u2, u3 = tl.rand4x(seed, offsets)
+    out = out_ptr + (row * n + index) * 4
+    tl.store(out, u0, mask=mask)
+    tl.store(out + 1, u1, mask=mask)
+    tl.store(out + 2, u2, mask=mask)
+    tl.store(out + 3, u3, mask=mask)
+
+
+def philox_test_inputs():
     gen = torch.Generator().manual_seed(0)
-    seeds = torch.cat(
-        [
-            torch.tensor([0, 1, -1, 2**63 - 1, -(2**63)]),
-            torch.randint(-(2**63), 2**63 - 1, (11,), generator=gen),
-        ]
-    )
+    extremes = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63)])
+    seeds = torch.cat([extremes, torch.randint(-(2**63), 2**63 - 1, (11,), generator=gen)])
     offsets = torch.randint(0, 2**62, (16, 256), generator=gen)
     offsets[:, :4] = torch.tensor([0, 1, 2**32 - 1, 2**32])  # both counter words, and the carry
+    return seeds, offsets
+
+
+def test_philox_port_equals_triton_rand_bit_for_bit():
+    seeds, offsets = philox_test_inputs()
     expected = philox_uniform(seeds[:, None], offsets)
     out = torch.empty(16, 256)
     _philox_uniform_kernel[(16,)](seeds, offsets, out, 256, BLOCK=256)
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     assert (expected >= 0).all() and (expected < 1).all()
+
+
+def test_philox_four_lane_port_equals_triton_rand4x_bit_for_bit():
+    seeds, offsets = philox_test_inputs()
+    expected = philox_uniform4x(seeds[:, None], offsets)
+    out = torch.empty(16, 256, 4)
+    _philox_uniform4x_kernel[(16,)](seeds, offsets, out, 256, BLOCK=256)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(expected[..., 0], philox_uniform(seeds[:, None], offsets))
 
 
 AOT_SCRIPT = textwrap.dedent(

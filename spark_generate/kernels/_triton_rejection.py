@@ -90,7 +90,10 @@ def _race(
         else:
             weights = tl.where(offsets == rejected_token, 0.0, weights)
         if PHILOX:
-            uniform = tl.rand(seed, noise_offset_base + offsets.to(tl.int64))
+            # Token v takes lane v % 4 of the Philox block at counter v // 4, as the reference.
+            lane = offsets % 4
+            u0, u1, u2, u3 = tl.rand4x(seed, noise_offset_base + (offsets // 4).to(tl.int64))
+            uniform = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
             noise = tl.math.div_rn(1.0, -tl.log(tl.maximum(uniform, MIN_UNIFORM)))
         else:
             noise = tl.load(noise_row_ptr + offsets, mask=in_vocab, other=0.0)

@@ -21,12 +21,13 @@ its noise as *race weights* ``noise_v = 1 / E_v``.
 Temperature-0 ("greedy") rows accept while the draft equals the target's argmax and then emit the
 target's argmax; this is the same rule with ``p`` replaced by the one-hot of its argmax.
 
-Randomness is counter-based: Philox4x32-10, bit-identical to Triton's ``tl.rand``, keyed by a
-per-row seed and an offset built from the absolute position of the token being decided, a stream
-and the vocabulary index (see :func:`philox_offsets`). A position is decided exactly once, so no
-draw is ever reused, and the result depends neither on the other rows of the batch nor on the
-block size. The streams keep the draft's own sampling noise independent of the verifier's noise;
-sharing them biases the output (a bug peers have shipped).
+Randomness is counter-based: Philox4x32-10, bit-identical to Triton's ``tl.rand`` and
+``tl.rand4x``, keyed by a per-row seed and an offset built from the absolute position of the token
+being decided, a stream and the vocabulary index (see :func:`philox_offsets`; race noise takes four
+tokens per counter). A position is decided exactly once, so no draw is ever reused, and the result
+depends neither on the other rows of the batch nor on the block size. The streams keep the
+draft's own sampling noise independent of the verifier's noise; sharing them biases the output
+(a bug peers have shipped).
 
 The helpers :func:`accepts`, :func:`acceptance_probability` and :func:`residual` are written with
 arithmetic operators only, so the exact-arithmetic test oracle runs them on ``fractions.Fraction``
@@ -49,6 +50,7 @@ __all__ = [
     "philox_offsets",
     "philox_race_noise",
     "philox_uniform",
+    "philox_uniform4x",
     "race_noise_from_uniform",
     "rejection_sample_reference",
     "residual",
@@ -99,19 +101,13 @@ def philox_offsets(positions: torch.Tensor, stream: RandomStream, token_ids: tor
     return token_ids + ((positions * NUM_STREAMS + int(stream)) << 32)
 
 
-def philox_uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 draws in ``[0, 1)``, bit-identical to Triton's ``tl.rand(seed, offset)``.
+def _philox_words(
+    seeds: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four 32-bit output words of Philox4x32-10, as Triton's ``randint4x(seed, offset)``.
 
-    Philox4x32-10 on int64 tensors: products wrap modulo 2**64, which keeps the exact low 64 bits,
-    and the masks recover the 32-bit words. The first output word becomes the uniform exactly as
-    ``triton.language.random.uint_to_uniform_float`` does.
-
-    Args:
-        seeds: int64 seeds (any 64-bit value), broadcastable against ``offsets``.
-        offsets: int64 counters (see :func:`philox_offsets`).
-
-    Returns:
-        float32 uniforms of the broadcast shape.
+    Products wrap modulo 2**64 in int64, which keeps their exact low 64 bits, and the masks recover
+    the 32-bit words.
     """
     seeds, offsets = torch.broadcast_tensors(seeds.to(torch.int64), offsets.to(torch.int64))
     c0 = offsets & _MASK32
@@ -131,9 +127,40 @@ def philox_uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         )
         k0 = (k0 + _PHILOX_KEY_A) & _MASK32
         k1 = (k1 + _PHILOX_KEY_B) & _MASK32
-    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    return c0, c1, c2, c3
+
+
+def _word_to_uniform(word: torch.Tensor) -> torch.Tensor:
+    """A 32-bit word to a float32 in ``[0, 1)``, as ``triton.language.random.uint_to_uniform_float``."""
+    signed = torch.where(word >= 2**31, word - 2**32, word)
     signed = torch.where(signed < 0, -signed - 1, signed)
     return signed.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+def philox_uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 draws in ``[0, 1)``, bit-identical to Triton's ``tl.rand(seed, offset)``.
+
+    Args:
+        seeds: int64 seeds (any 64-bit value), broadcastable against ``offsets``.
+        offsets: int64 counters (see :func:`philox_offsets`).
+
+    Returns:
+        float32 uniforms of the broadcast shape.
+    """
+    return _word_to_uniform(_philox_words(seeds, offsets)[0])
+
+
+def philox_uniform4x(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Four uniforms per counter, bit-identical to Triton's ``tl.rand4x(seed, offset)``.
+
+    Args:
+        seeds: int64 seeds, broadcastable against ``offsets``.
+        offsets: int64 counters.
+
+    Returns:
+        float32 ``[*broadcast shape, 4]``; lane 0 equals :func:`philox_uniform`.
+    """
+    return torch.stack([_word_to_uniform(word) for word in _philox_words(seeds, offsets)], dim=-1)
 
 
 def race_noise_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
@@ -153,6 +180,9 @@ def philox_race_noise(
 ) -> torch.Tensor:
     """Race weights for one categorical draw per row at the given absolute positions.
 
+    One Philox evaluation yields four uniforms, so the noise of token ``v`` is lane ``v % 4`` of the
+    counter ``v // 4`` (a quarter of the Philox rounds of one draw per token).
+
     Args:
         seeds: int64 ``[B]`` per-row seeds.
         positions: int64 ``[B]`` absolute position of the token each row draws.
@@ -162,9 +192,10 @@ def philox_race_noise(
     Returns:
         float32 ``[B, V]`` race weights.
     """
-    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    offsets = philox_offsets(positions[:, None], stream, token_ids[None, :])
-    return race_noise_from_uniform(philox_uniform(seeds[:, None], offsets))
+    counters = torch.arange((vocab_size + 3) // 4, device=seeds.device, dtype=torch.int64)
+    offsets = philox_offsets(positions[:, None], stream, counters[None, :])
+    uniforms = philox_uniform4x(seeds[:, None], offsets).flatten(start_dim=1)[:, :vocab_size]
+    return race_noise_from_uniform(uniforms)
 
 
 def generator_race_noise(
