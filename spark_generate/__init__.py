@@ -10,14 +10,59 @@ Importing this package never imports Triton: the Triton kernels are loaded lazil
 call asks for them.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from spark_generate.kernels import RandomStream, rejection_sample
 from spark_generate.sampling import sample
+
+if TYPE_CHECKING:
+    from spark_generate.config import DSparkConfig
+    from spark_generate.generation import DSparkGenerateOutput, SpeculativeStats, decode
+    from spark_generate.heads import DSparkHead
+    from spark_generate.modeling import DSparkForCausalLM
+    from spark_generate.schedule import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, profile_costs
+
+# Importing Transformers models imports Triton through torch (torch._native.ops), so the
+# generation API is imported on first use: `spark_generate.decode` works, `import spark_generate`
+# stays Triton-free.
+_LAZY_EXPORTS = {
+    "ConfidenceThreshold": "spark_generate.schedule",
+    "CostTable": "spark_generate.schedule",
+    "DSparkConfig": "spark_generate.config",
+    "DSparkForCausalLM": "spark_generate.modeling",
+    "DSparkGenerateOutput": "spark_generate.generation",
+    "DSparkHead": "spark_generate.heads",
+    "FixedLength": "spark_generate.schedule",
+    "GoodputSchedule": "spark_generate.schedule",
+    "SpeculativeStats": "spark_generate.generation",
+    "decode": "spark_generate.generation",
+    "profile_costs": "spark_generate.schedule",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'spark_generate' has no attribute {name!r}")
+
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ConfidenceThreshold",
+    "CostTable",
+    "DSparkConfig",
+    "DSparkForCausalLM",
+    "DSparkGenerateOutput",
+    "DSparkHead",
+    "FixedLength",
+    "GoodputSchedule",
     "RandomStream",
+    "SpeculativeStats",
     "__version__",
+    "decode",
+    "profile_costs",
     "rejection_sample",
     "sample",
 ]

@@ -1,11 +1,11 @@
-"""Quickstart: lossless verification of drafted tokens, and proof by counting that it is lossless.
+"""Lossless verification of drafted tokens, and proof by counting that it is lossless.
 
 A small "target" and a deliberately poor "draft" distribution over an 8-token vocabulary. Each of
 200,000 rows drafts 4 tokens from the draft and verifies them with `rejection_sample`. The first
 emitted token's histogram is compared with the target (it must match, however bad the draft is),
 and the acceptance statistics are printed for both backends available here.
 
-    python examples/quickstart.py
+    python examples/verification.py
 """
 
 import torch

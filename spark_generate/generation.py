@@ -1,0 +1,524 @@
+"""The DSpark decoding loop, top to bottom: prefill, then speculative steps until every row stops.
+
+:func:`decode` is a ``custom_generate`` callable: ``generate()`` has already merged the generation
+config, built the logits processors (warpers included when sampling) and the stopping criteria,
+and prepared the attention mask; this module runs the decoding itself.
+
+1. **Prefill** the target on the prompt with forward hooks on the tapped layers
+   (:class:`~spark_generate.cache.FeatureTap`), and choose the first new token from its last logits.
+   That token is the first *anchor*: committed, but not yet seen by the target.
+2. **Speculative step** (:func:`speculative_step`), repeated:
+
+   a. draft a block after each anchor: one backbone pass over the target features committed since
+      the last step, then the serial Markov head, with the target's processors applied slot by
+      slot and the sampled-from distributions kept (:func:`~spark_generate.drafting.draft_block`);
+   b. choose how many drafts each row verifies (:mod:`spark_generate.schedule`);
+   c. run the target once over ``[anchor, drafts]``, process its logits position by position and
+      accept a prefix plus one recovered or bonus token (:func:`~spark_generate.verify.verify_block`);
+   d. commit the emitted tokens one at a time through the stopping criteria (an EOS, a stop string
+      or the length limit inside an accepted block ends the row right there);
+   e. roll back: crop the target cache after the most tokens any row kept, mark the other rows'
+      extra entries as holes in the attention mask, keep the tapped features of the kept tokens
+      as the next draft context, and drop finished rows from the batch.
+
+Rows accept different numbers of tokens (ragged acceptance): every row keeps its own absolute
+positions, and the shared cache holds holes that the mask hides. Randomness is counter-based
+Philox keyed by a per-row seed and the absolute position of each token, so a row's tokens depend
+only on its seed and its own tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation import GenerateDecoderOnlyOutput
+
+from spark_generate.cache import (
+    FeatureTap,
+    cache_kwarg_name,
+    check_holes_allowed,
+    crop_cache,
+    take_cache,
+    target_forward,
+)
+from spark_generate.drafting import (
+    UNSEEN_POSITION,
+    DraftContext,
+    RowPrefixes,
+    Sampling,
+    apply_processors,
+    draft_block,
+    rows_by_length,
+    select_draft_rows,
+)
+from spark_generate.heads import DraftKVCache, DSparkHead
+from spark_generate.sampling import sample
+from spark_generate.schedule import FixedLength, Schedule
+from spark_generate.verify import check_finite, verify_block
+
+__all__ = [
+    "DSparkGenerateOutput",
+    "SpeculativeStats",
+    "check_generation_config",
+    "decode",
+    "speculative_generate",
+    "speculative_step",
+]
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-row statistics of one speculative generation (``return_dict_in_generate=True``).
+
+    Attributes:
+        num_rounds: ``[B]`` speculative steps each row took part in.
+        num_drafted: ``[B]`` drafts verified.
+        num_accepted: ``[B]`` drafts accepted.
+        verified_by_position: ``[B, S]`` how often draft slot ``j`` was verified.
+        accepted_by_position: ``[B, S]`` how often it was accepted.
+        draft_seconds: Wall time spent drafting and scheduling.
+        verify_seconds: Wall time in the target's verification forwards and rejection sampling.
+    """
+
+    num_rounds: torch.Tensor
+    num_drafted: torch.Tensor
+    num_accepted: torch.Tensor
+    verified_by_position: torch.Tensor
+    accepted_by_position: torch.Tensor
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @classmethod
+    def zeros(cls, batch_size: int, num_draft_tokens: int) -> SpeculativeStats:
+        """Empty statistics for ``batch_size`` rows and blocks of ``num_draft_tokens`` drafts."""
+        counts = [torch.zeros(batch_size, dtype=torch.int64) for _ in range(3)]
+        positions = [torch.zeros(batch_size, num_draft_tokens, dtype=torch.int64) for _ in range(2)]
+        return cls(*counts, *positions)
+
+    @property
+    def tau(self) -> torch.Tensor:
+        """``[B]`` mean tokens emitted per step (accepted drafts plus the bonus or recovered token)."""
+        return (self.num_accepted + self.num_rounds) / self.num_rounds.clamp(min=1)
+
+    @property
+    def acceptance_by_position(self) -> torch.Tensor:
+        """``[S]`` conditional acceptance rate of slot ``j`` given that it was verified, over all rows."""
+        return self.accepted_by_position.sum(0) / self.verified_by_position.sum(0).clamp(min=1)
+
+    def summary(self) -> str:
+        """A few human-readable lines: tau, acceptance per slot, and where the time went."""
+        rates = " ".join(f"{rate:.2f}" for rate in self.acceptance_by_position.tolist())
+        total_rounds = int(self.num_rounds.sum())
+        tau = (self.num_accepted.sum() + total_rounds) / max(total_rounds, 1)
+        return (
+            f"DSpark: {total_rounds} row-steps, tau {float(tau):.2f} tokens/step "
+            f"({int(self.num_accepted.sum())}/{int(self.num_drafted.sum())} drafts accepted)\n"
+            f"  acceptance by draft position: {rates}\n"
+            f"  time: draft {self.draft_seconds:.3f}s, verify {self.verify_seconds:.3f}s"
+        )
+
+
+@dataclass
+class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus the speculative statistics in ``dspark_stats``.
+
+    ``scores`` and ``logits`` (with ``output_scores`` / ``output_logits``) hold one ``[B, V]``
+    float32 tensor per generated token, as plain ``generate()`` gives them; rows that had already
+    stopped get ``-inf`` there (plain decoding keeps computing them). ``cache`` is None: finished
+    rows leave the cache during decoding, so it no longer matches ``sequences``.
+    """
+
+    dspark_stats: SpeculativeStats | None = None
+
+
+@dataclass
+class DecodeState:
+    """Everything the loop carries between steps; per-row tensors cover the rows still running.
+
+    ``token_ids``, ``lengths`` and ``unfinished`` cover the whole batch; ``rows`` maps the running
+    rows to it, and the other tensors are indexed like ``rows``.
+    """
+
+    target: PreTrainedModel
+    head: DSparkHead
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    schedule: Schedule
+    max_length: int
+    cache: Cache
+    cache_kwarg: str
+    tap: FeatureTap
+    draft_cache: DraftKVCache
+    token_ids: torch.Tensor  # [B, max_length + S + 1]
+    lengths: torch.Tensor  # [B]
+    unfinished: torch.Tensor  # [B] bool
+    rows: torch.Tensor  # [R]
+    sampling: Sampling  # seeds [R]
+    anchor_positions: torch.Tensor  # [R]
+    cache_mask: torch.Tensor  # [R, C]
+    context: DraftContext  # [R, C_new, ·]
+    stats: SpeculativeStats
+    scores: list[list[torch.Tensor]] | None = None  # per row, per token: processed logits [V]
+    raw_logits: list[list[torch.Tensor]] | None = None
+    streamer: object | None = None
+
+    @property
+    def prefixes(self) -> RowPrefixes:
+        """The committed tokens of the running rows."""
+        return RowPrefixes(self.token_ids[self.rows], self.lengths[self.rows], self.rows)
+
+    @property
+    def anchor_ids(self) -> torch.Tensor:
+        """``[R]`` the last committed token of each running row."""
+        return self.token_ids[self.rows, self.lengths[self.rows] - 1]
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    dspark_head: DSparkHead | None = None,
+    dspark_streamer: object | None = None,
+    dspark_seed: int | torch.Tensor | None = None,
+    dspark_schedule: Schedule | None = None,
+    **model_kwargs: object,
+) -> torch.Tensor | DSparkGenerateOutput:
+    """DSpark decoding as a ``custom_generate`` callable for any Transformers causal LM.
+
+    Example::
+
+        out = target.generate(**inputs, custom_generate=spark_generate.decode, dspark_head=head,
+                              max_new_tokens=64, do_sample=True, temperature=0.7)
+
+    ``generate()`` prepares everything and calls this with its own arguments; the ``dspark_*``
+    keywords are ours (``generate()`` does not hand a callable its ``streamer``, so pass
+    ``dspark_streamer=`` instead). With ``stop_strings``, ``generate()`` needs a ``tokenizer=``
+    that it does not forward to callables: use :class:`~spark_generate.DSparkForCausalLM`, or pass
+    ``stopping_criteria=[StopStringCriteria(tokenizer, stop_strings)]``.
+
+    Args:
+        model: The target (passed by ``generate()``).
+        input_ids: ``[B, P]`` prompts, left-padded (passed by ``generate()``).
+        logits_processor: Passed by ``generate()``.
+        stopping_criteria: Passed by ``generate()``.
+        generation_config: Passed by ``generate()``.
+        dspark_head: The draft head for this target.
+        dspark_streamer: A Transformers streamer (batch size 1); gets the prompt, then each
+            committed chunk.
+        dspark_seed: Philox seed: an ``int`` (per-row seeds derived from it) or int64 ``[B]``
+            (a row's output then depends only on its seed); None draws seeds from torch's global
+            generator, so ``torch.manual_seed`` makes runs reproducible.
+        dspark_schedule: How many drafts to verify per step; default :class:`FixedLength` (all).
+        **model_kwargs: ``attention_mask`` and the cache ``generate()`` prepared.
+
+    Returns:
+        ``[B, P + N]`` sequences, or a :class:`DSparkGenerateOutput` with
+        ``return_dict_in_generate=True``.
+    """
+    if dspark_head is None:
+        raise ValueError(
+            "spark_generate.decode needs a draft head: pass dspark_head=DSparkHead.from_pretrained(...) "
+            "to generate(), or use DSparkForCausalLM(model).generate(..., assistant=head)."
+        )
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    cache = take_cache(model, model_kwargs)
+    for prepared in ("position_ids", "logits_to_keep", "use_cache"):
+        model_kwargs.pop(prepared, None)
+    unsupported = sorted(name for name, value in model_kwargs.items() if value is not None)
+    if unsupported:
+        raise ValueError(
+            f"DSpark decoding does not support the model inputs {unsupported}; "
+            "expected only input_ids and attention_mask."
+        )
+    return speculative_generate(
+        model, dspark_head, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        generation_config=generation_config, attention_mask=attention_mask, schedule=dspark_schedule,
+        seed=dspark_seed, streamer=dspark_streamer, cache=cache,
+    )  # fmt: skip
+
+
+def speculative_generate(
+    target: PreTrainedModel,
+    head: DSparkHead,
+    input_ids: torch.Tensor,
+    *,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    attention_mask: torch.Tensor | None = None,
+    schedule: Schedule | None = None,
+    seed: int | torch.Tensor | None = None,
+    streamer: object | None = None,
+    cache: Cache | None = None,
+) -> torch.Tensor | DSparkGenerateOutput:
+    """Prefills, then runs speculative steps until every row has stopped (arguments as in :func:`decode`)."""
+    check_generation_config(generation_config)
+    head.attach(target)
+    batch_size, prompt_length = input_ids.shape
+    if prompt_length == 0:
+        raise ValueError(
+            f"the prompt is empty (input_ids has shape {list(input_ids.shape)}); DSpark decoding needs at least "
+            "one prompt token: start the prompt with the tokenizer's BOS token."
+        )
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {list(attention_mask.shape)} but input_ids has {list(input_ids.shape)}; "
+            "expected equal shapes (pass the mask the tokenizer returned with these input_ids)."
+        )
+    if streamer is not None and batch_size != 1:
+        raise ValueError(f"streaming needs batch size 1; got {batch_size} prompts. Stream one prompt at a time.")
+    num_drafts = head.config.num_draft_tokens
+    max_new_tokens = generation_config.max_length - prompt_length
+    check_holes_allowed(target, batch_size, generation_config.max_length + max_new_tokens * num_drafts)
+    pad_token_id = _pad_token_id(generation_config)
+    token_ids = input_ids.new_full((batch_size, generation_config.max_length + num_drafts + 1), pad_token_id or 0)
+    token_ids[:, :prompt_length] = input_ids
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    try:
+        cache = take_cache(target, {}) if cache is None else cache
+        cache_kwarg = cache_kwarg_name(target)
+        with FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device) as tap:
+            logits, context = prefill(target, tap, input_ids, attention_mask, cache, cache_kwarg)
+            state = DecodeState(
+                target=target, head=head, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                schedule=schedule or FixedLength(), max_length=generation_config.max_length, cache=cache,
+                cache_kwarg=cache_kwarg, tap=tap, draft_cache=head.new_draft_cache(), token_ids=token_ids,
+                lengths=torch.full((batch_size,), prompt_length, device=input_ids.device),
+                unfinished=torch.ones(batch_size, dtype=torch.bool, device=input_ids.device),
+                rows=torch.arange(batch_size, device=input_ids.device),
+                sampling=Sampling(not generation_config.do_sample, _row_seeds(seed, batch_size, input_ids.device)),
+                anchor_positions=attention_mask.long().sum(dim=1), cache_mask=attention_mask, context=context,
+                stats=SpeculativeStats.zeros(batch_size, num_drafts),
+                scores=[[] for _ in range(batch_size)] if want_scores else None,
+                raw_logits=[[] for _ in range(batch_size)] if want_logits else None, streamer=streamer,
+            )  # fmt: skip
+            commit_first_token(state, logits)
+            while len(state.rows):
+                speculative_step(state)
+    finally:
+        if streamer is not None:
+            streamer.end()
+    return _outputs(state, generation_config, pad_token_id)
+
+
+def prefill(
+    target: PreTrainedModel,
+    tap: FeatureTap,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Cache,
+    cache_kwarg: str,
+) -> tuple[torch.Tensor, DraftContext]:
+    """Runs the target on the prompts: ``[B, V]`` float32 next-token logits and the first draft context."""
+    real_positions = attention_mask.long().cumsum(dim=1) - 1
+    logits = target_forward(
+        target, input_ids, cache=cache, cache_kwarg=cache_kwarg, attention_mask=attention_mask,
+        position_ids=real_positions.masked_fill(attention_mask == 0, 1), num_logits=1,
+    )[:, -1].float()  # fmt: skip
+    check_finite(logits)
+    return logits, DraftContext(tap.take(), real_positions.masked_fill(attention_mask == 0, UNSEEN_POSITION))
+
+
+def commit_first_token(state: DecodeState, logits: torch.Tensor) -> None:
+    """Chooses and commits the token after each prompt from the prefill's ``[B, V]`` logits."""
+    scores = apply_processors(state.logits_processor, state.prefixes, state.token_ids[:, :0], logits)
+    if state.sampling.greedy:
+        first_ids = scores.argmax(dim=-1)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+        first_ids = sample(probs, seed=state.sampling.seeds, positions=state.anchor_positions, validate=False)
+    commit(state, first_ids[:, None], torch.ones_like(first_ids), scores[:, None], logits[:, None])
+    drop_finished_rows(state)
+
+
+def speculative_step(state: DecodeState) -> None:
+    """Drafts, verifies and commits one block for every running row (see the module docstring)."""
+    head, num_rows = state.head, len(state.rows)
+    start = time.perf_counter()
+    block = draft_block(
+        head, state.anchor_ids, state.anchor_positions, state.context, state.draft_cache,
+        state.logits_processor, state.prefixes, state.sampling,
+    )  # fmt: skip
+    num_drafts = head.config.num_draft_tokens
+    num_verified = state.schedule(block.confidence_logits, num_rows, num_drafts).to(state.rows.device)
+    budget = state.max_length - state.lengths[state.rows] - 1  # a row never emits past max_length
+    num_verified = torch.minimum(num_verified, budget.clamp(min=0))
+    width = int(num_verified.max()) + 1
+    verify_start = time.perf_counter()
+
+    block_ids = torch.cat([state.anchor_ids[:, None], block.token_ids[:, : width - 1]], dim=1)
+    block_positions = state.anchor_positions[:, None] + torch.arange(width, device=block_ids.device)
+    attention_mask = torch.cat([state.cache_mask, state.cache_mask.new_ones(num_rows, width)], dim=1)
+    target_logits = target_forward(
+        state.target, block_ids, cache=state.cache, cache_kwarg=state.cache_kwarg,
+        attention_mask=attention_mask, position_ids=block_positions, num_logits=width,
+    )  # fmt: skip
+    verdict = verify_block(
+        target_logits, block, num_verified, state.anchor_positions, state.logits_processor, state.prefixes,
+        state.sampling,
+    )  # fmt: skip
+    _record(state.stats, state.rows, num_verified, verdict.num_accepted, start, verify_start)
+
+    commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits.float())
+    kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
+    crop_cache(state.cache, state.cache_mask.shape[1] + kept)
+    slots = torch.arange(kept, device=block_ids.device)
+    kept_mask = slots[None] < verdict.num_emitted[:, None]
+    state.cache_mask = torch.cat([state.cache_mask, kept_mask.to(state.cache_mask.dtype)], dim=1)
+    context_positions = torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
+    state.context = DraftContext(state.tap.take()[:, :kept], context_positions)
+    state.anchor_positions = state.anchor_positions + verdict.num_emitted
+    drop_finished_rows(state)
+
+
+def commit(
+    state: DecodeState,
+    token_ids: torch.Tensor,
+    num_emitted: torch.Tensor,
+    scores: torch.Tensor,
+    raw_logits: torch.Tensor,
+) -> None:
+    """Appends emitted tokens one at a time, stopping each row at its first stopping criterion.
+
+    Args:
+        state: The loop state; ``token_ids``, ``lengths`` and ``unfinished`` are updated.
+        token_ids: ``[R, W]`` emitted tokens of the running rows (-1 after ``num_emitted``).
+        num_emitted: ``[R]`` how many.
+        scores: ``[R, W, V]`` processed logits each token was chosen from.
+        raw_logits: ``[R, W, V]`` the target's raw logits for them.
+    """
+    start_lengths = state.lengths[state.rows].clone()
+    for slot in range(int(num_emitted.max())):
+        live = (slot < num_emitted) & state.unfinished[state.rows]
+        if not live.any():
+            break
+        rows = state.rows[live]
+        state.token_ids[rows, state.lengths[rows]] = token_ids[live, slot]
+        state.lengths[rows] += 1
+        stop = state.lengths[rows] >= state.max_length
+        for length, group in rows_by_length(state.lengths[rows]):
+            group_scores = scores[live, slot][group]
+            stop[group] |= state.stopping_criteria(state.token_ids[rows[group], :length], group_scores).to(stop.device)
+        state.unfinished[rows] &= ~stop
+        for recorded, values in ((state.scores, scores), (state.raw_logits, raw_logits)):
+            if recorded is not None:
+                for row, row_values in zip(rows.tolist(), values[live, slot], strict=True):
+                    recorded[row].append(row_values)
+    if state.streamer is not None:  # batch size 1: the only row is row 0
+        chunk = state.token_ids[0, int(start_lengths[0]) : int(state.lengths[0])]
+        if len(chunk):
+            state.streamer.put(chunk.cpu())
+
+
+def drop_finished_rows(state: DecodeState) -> None:
+    """Removes finished rows from every per-row tensor and from both caches."""
+    running = state.unfinished[state.rows]
+    if bool(running.all()):
+        return
+    keep = running.nonzero()[:, 0]
+    state.rows = state.rows[keep]
+    if not len(keep):
+        return
+    state.cache.batch_select_indices(keep)
+    select_draft_rows(state.draft_cache, keep)
+    state.sampling = Sampling(state.sampling.greedy, state.sampling.seeds[keep])
+    state.anchor_positions = state.anchor_positions[keep]
+    state.cache_mask = state.cache_mask[keep]
+    state.context = DraftContext(state.context.features[keep], state.context.positions[keep])
+
+
+def _record(
+    stats: SpeculativeStats, rows: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor,
+    start: float, verify_start: float,
+) -> None:  # fmt: skip
+    rows, num_verified, num_accepted = rows.cpu(), num_verified.cpu(), num_accepted.cpu()
+    stats.num_rounds[rows] += 1
+    stats.num_drafted[rows] += num_verified
+    stats.num_accepted[rows] += num_accepted
+    slots = torch.arange(stats.verified_by_position.shape[1])
+    stats.verified_by_position[rows] += (slots[None] < num_verified[:, None]).long()
+    stats.accepted_by_position[rows] += (slots[None] < num_accepted[:, None]).long()
+    now = time.perf_counter()
+    stats.draft_seconds += verify_start - start
+    stats.verify_seconds += now - verify_start
+
+
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    """Refuses decoding modes DSpark does not implement (beam search, contrastive search, ...).
+
+    Raises:
+        ValueError: The configuration asks for another mode than greedy decoding or sampling.
+    """
+    mode = generation_config.get_generation_mode()
+    if mode.value not in ("greedy_search", "sample"):
+        raise ValueError(
+            f"DSpark decoding supports greedy decoding and sampling; got generation mode {mode.value!r} "
+            f"(num_beams={generation_config.num_beams}, penalty_alpha={generation_config.penalty_alpha}). "
+            "Set num_beams=1 or generate without the DSpark head."
+        )
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(f"{flag}=True is not supported by DSpark decoding; set it to False.")
+
+
+def _pad_token_id(generation_config: GenerationConfig) -> int | None:
+    """``pad_token_id``, else the first EOS id (what ``generate()`` pads finished rows with)."""
+    if generation_config.pad_token_id is not None:
+        return int(generation_config.pad_token_id)
+    eos = generation_config.eos_token_id
+    return int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
+
+
+def _row_seeds(seed: int | torch.Tensor | None, batch_size: int, device: torch.device) -> torch.Tensor:
+    if isinstance(seed, torch.Tensor):
+        if seed.shape != (batch_size,) or seed.dtype.is_floating_point:
+            raise ValueError(
+                f"seed has shape {list(seed.shape)} and dtype {seed.dtype}; expected integers of shape [{batch_size}]."
+            )
+        return seed.to(device=device, dtype=torch.int64)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**62, (batch_size,), generator=generator).to(device)
+
+
+def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """Stacks per-row lists of ``[V]`` tensors into one ``[B, V]`` tensor per step (-inf where a row had stopped)."""
+    num_steps = max(len(tokens) for tokens in per_row)
+    reference = next(tokens[0] for tokens in per_row if tokens)
+    steps = []
+    for step in range(num_steps):
+        rows = [
+            tokens[step] if step < len(tokens) else torch.full_like(reference, float("-inf")) for tokens in per_row
+        ]
+        steps.append(torch.stack(rows))
+    return tuple(steps)
+
+
+def _outputs(
+    state: DecodeState, generation_config: GenerationConfig, pad_token_id: int | None
+) -> torch.Tensor | DSparkGenerateOutput:
+    total = int(state.lengths.max())
+    if pad_token_id is None and bool((state.lengths < total).any()):
+        raise ValueError(
+            "rows stopped at different lengths but there is no pad_token_id (nor eos_token_id) to pad them with; "
+            "set generation_config.pad_token_id."
+        )
+    sequences = state.token_ids[:, :total]
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return DSparkGenerateOutput(
+        sequences=sequences,
+        scores=None if state.scores is None else _per_step(state.scores),
+        logits=None if state.raw_logits is None else _per_step(state.raw_logits),
+        dspark_stats=state.stats,
+    )

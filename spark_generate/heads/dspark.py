@@ -1,0 +1,386 @@
+"""`DSparkHead`: the draft model users download, attach to their target, and draft blocks with.
+
+One drafting round of the generation loop reads, top to bottom::
+
+    features = head.select_target_features(target_out.hidden_states)      # [B, C_new, m·H]
+    out = head(head.block_input_ids(anchor_ids), anchor_positions,         # one parallel pass
+               target_hidden_states=features, draft_cache=cache)           # -> [B, 1, S, ·]
+    prev, state = anchor_ids, None
+    for j in range(head.config.num_draft_tokens):                          # the sequential stage
+        step = head.draft_step(out.base_logits[:, 0, j], out.draft_hidden[:, 0, j], prev, state)
+        draft_ids = <sample from step.draft_logits>                       # not the head's job
+        prev, state = head.draft_to_target_ids(draft_ids), step.markov_state
+
+The head is deterministic: it returns logits, never samples. The target's embedding and LM head
+are *referenced* from the live target by :meth:`DSparkHead.attach` (never copied, never saved);
+only a reduced-vocabulary LM head (``V_d < V`` rows, required by the speculators format) is owned
+and saved, with the ``t2d``/``d2t`` maps. Draft token ``j`` (``S = num_draft_tokens`` of them) comes
+from backbone slot ``j`` when ``sample_from_anchor`` else slot ``j + 1``; its Markov predecessor is
+always block token ``j`` (the anchor for ``j = 0``), so training predecessors are
+``block_token_ids[..., :S]`` in both conventions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from spark_generate.config import DSparkConfig, DSparkConfigError
+from spark_generate.heads.backbone import DraftKVCache, DSparkDecoderLayer, block_attention_mask
+from spark_generate.heads.confidence import ConfidenceHead
+from spark_generate.heads.hub_io import DSparkHubMixin
+from spark_generate.heads.markov import MarkovHead, MarkovStep
+
+
+@dataclass(frozen=True)
+class DSparkBackboneOutput:
+    """The parallel pass over ``N`` blocks of ``K`` slots, restricted to the ``S`` drafting slots.
+
+    Attributes:
+        draft_hidden: ``[B, N, S, H]`` final-normed hidden states ``h``.
+        base_logits: ``[B, N, S, V_d]`` backbone logits ``U`` (soft-capped for Gemma targets).
+    """
+
+    draft_hidden: torch.Tensor
+    base_logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The logits one draft token is sampled from, for every sequence of the batch.
+
+    Attributes:
+        draft_logits: ``[B, V_d]`` ``U_k + b_k``.
+        confidence_logits: ``[B]`` float32, or None without a confidence head.
+        markov_state: ``[B, r]`` to pass to the next step (``rnn`` head), else None.
+    """
+
+    draft_logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
+    markov_state: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DraftBlockLogits:
+    """Teacher-forced logits of whole blocks (training and evaluation).
+
+    Attributes:
+        draft_logits: ``[*, S, V_d]``.
+        confidence_logits: ``[*, S]`` float32, or None without a confidence head.
+    """
+
+    draft_logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _TargetModules:
+    """References to the live target's modules; a plain object, so they are not registered."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+class DSparkHead(DSparkHubMixin):
+    """DSpark draft head: DFlash backbone, Markov head and confidence head (arXiv 2607.05147).
+
+    Weight names are those of the speculators ``"dspark"`` format: ``fc``, ``hidden_norm``,
+    ``layers.{i}.*``, ``norm``, ``markov_head.*``, ``confidence_head.proj``, and with a reduced
+    vocabulary ``lm_head``, ``t2d``, ``d2t``.
+
+    Args:
+        config: The head's configuration.
+    """
+
+    config_class = DSparkConfig
+    base_model_prefix = "dspark"
+    main_input_name = "block_input_ids"
+    _no_split_modules: ClassVar[list[str]] = ["DSparkDecoderLayer"]
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        for field in ("target_layer_ids", "mask_token_id"):
+            if getattr(config, field) is None:
+                raise DSparkConfigError(
+                    f"{field}=None is invalid for building a head: expected a value. "
+                    "Use DSparkHead.from_target(target), which chooses it."
+                )
+        layer_config = config.transformer_layer_config
+        hidden = layer_config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=layer_config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(layer_config, i) for i in range(config.num_draft_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=layer_config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
+        self.markov_head = None
+        if config.markov_rank > 0:
+            self.markov_head = MarkovHead(
+                target_vocab_size=config.target_vocab_size,
+                draft_vocab_size=config.draft_vocab_size,
+                markov_rank=config.markov_rank,
+                hidden_size=hidden,
+                head_type=config.markov_head_type,
+            )
+        self.confidence_head = None
+        if config.enable_confidence_head:
+            markov_features = config.markov_rank if config.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(hidden + markov_features)
+        self.lm_head = None
+        if self.has_reduced_vocab:
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False).requires_grad_(False)
+            self.register_buffer("t2d", torch.arange(config.target_vocab_size) < config.draft_vocab_size)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._target: _TargetModules | None = None
+        self.post_init()
+
+    @property
+    def has_reduced_vocab(self) -> bool:
+        """Whether the draft vocabulary is a strict subset of the target's (``V_d < V``)."""
+        return self.config.draft_vocab_size < self.config.target_vocab_size
+
+    # ----------------------------------------------------------------------------------- building
+
+    @classmethod
+    def from_target(
+        cls,
+        target_model: PreTrainedModel,
+        *,
+        draft_vocab_ids: torch.Tensor | None = None,
+        **config_overrides: Any,
+    ) -> DSparkHead:
+        """Builds an untrained head sized for any Transformers causal LM, attached to it.
+
+        Args:
+            target_model: The target (verifier) model.
+            draft_vocab_ids: ``[V_d]`` target ids forming a reduced draft vocabulary (e.g. the
+                most frequent tokens of the training data); default: ids ``0 .. V_d - 1`` when
+                ``draft_vocab_size`` is given.
+            **config_overrides: :meth:`DSparkConfig.for_target` arguments and config fields:
+                ``block_size``, ``num_draft_layers``, ``markov_rank``, ``markov_head_type``,
+                ``target_layer_ids``, ``draft_vocab_size``, ``mask_token_id``, ...
+
+        Returns:
+            The head, attached to ``target_model``, in the target's dtype and on its device.
+        """
+        if draft_vocab_ids is not None:
+            config_overrides.setdefault("draft_vocab_size", len(draft_vocab_ids))
+        if not target_model.config.architectures:
+            config_overrides.setdefault("verifier_architectures", [type(target_model).__name__])
+        config = DSparkConfig.for_target(target_model.config, **config_overrides)
+        head = cls(config).attach(target_model)
+        if head.has_reduced_vocab:
+            head.set_draft_vocab(draft_vocab_ids if draft_vocab_ids is not None else torch.arange(len(head.d2t)))
+        parameter = next(target_model.parameters())
+        return head.to(device=parameter.device, dtype=parameter.dtype)
+
+    def attach(self, target_model: PreTrainedModel) -> DSparkHead:
+        """References the target's embedding and LM head (no copy), after checking compatibility.
+
+        Raises:
+            DSparkConfigError: If the target does not match the head (vocabulary, hidden size,
+                number of layers, tap layers); a differing verifier name only warns.
+        """
+        self.config.check_target(target_model.config, target_name=target_model.config.name_or_path or None)
+        lm_head = target_model.get_output_embeddings()
+        if lm_head is None:
+            raise DSparkConfigError(
+                f"{type(target_model).__name__} has no output embeddings: expected a causal LM "
+                "(a *ForCausalLM model). Load the target with AutoModelForCausalLM."
+            )
+        self._target = _TargetModules(target_model.get_input_embeddings(), lm_head)
+        return self
+
+    def set_draft_vocab(self, draft_vocab_ids: torch.Tensor) -> None:
+        """Sets a reduced draft vocabulary: ``t2d``, ``d2t`` and the LM head rows (from the target).
+
+        Args:
+            draft_vocab_ids: ``[V_d]`` distinct target ids; they are sorted (draft ids ascend).
+        """
+        ids = torch.as_tensor(draft_vocab_ids, dtype=torch.long, device=self.d2t.device).sort().values
+        vocab_size = self.config.target_vocab_size
+        if ids.shape != self.d2t.shape or ids.unique().numel() != len(ids) or ids[0] < 0 or ids[-1] >= vocab_size:
+            raise ValueError(
+                f"draft_vocab_ids has {ids.numel()} entries ({ids.unique().numel()} distinct, in "
+                f"[{ids.min()}, {ids.max()}]): expected {len(self.d2t)} distinct target ids "
+                f"in [0, {vocab_size})"
+            )
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self._require_target().lm_head.weight[ids])
+
+    def _require_target(self) -> _TargetModules:
+        if self._target is None:
+            raise RuntimeError(
+                "this DSpark head is not attached to a target: call head.attach(target_model) first "
+                "(the head uses the target's embedding and LM head)"
+            )
+        return self._target
+
+    # ------------------------------------------------------------------------------ vocabularies
+
+    def draft_to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Maps draft-vocabulary ids to target ids (``id + d2t[id]``; identity for a full vocab)."""
+        return draft_ids + self.d2t[draft_ids] if self.has_reduced_vocab else draft_ids
+
+    def target_to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Maps target ids to draft ids through ``t2d``; -1 for tokens outside the draft vocab."""
+        if not self.has_reduced_vocab:
+            return target_ids
+        lookup = (self.t2d.long().cumsum(0) - 1).masked_fill(~self.t2d, -1)
+        return lookup[target_ids]
+
+    # ------------------------------------------------------------------------------- backbone
+
+    def new_draft_cache(self) -> DraftKVCache:
+        """An empty draft KV cache for one generation (see :class:`DraftKVCache`)."""
+        return DraftKVCache(self.config.num_draft_layers)
+
+    def block_input_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Builds ``[B, 1, K]`` block inputs ``[anchor, MASK, ..., MASK]`` from ``[B]`` anchor ids."""
+        block = torch.full(
+            (anchor_ids.shape[0], 1, self.config.block_size),
+            self.config.mask_token_id,
+            device=anchor_ids.device,
+        )
+        block[:, 0, 0] = anchor_ids
+        return block
+
+    def select_target_features(self, target_hidden_states: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """Concatenates the tapped layers from a Transformers ``hidden_states`` tuple.
+
+        Args:
+            target_hidden_states: ``L + 1`` tensors ``[B, T, H]`` (slot 0 = embeddings); slots that
+                are not tapped may be None, as with ``output_hidden_states=[l + 1 for l in ids]``
+                on transformers >= 5.23 (5.18 to 5.22 read such a list as layer indices and drop
+                the embeddings slot, which this method does not accept).
+
+        Returns:
+            ``[B, T, m·H]``: ``hidden_states[l + 1]`` for each tap ``l``, in order.
+        """
+        num_layers = len(target_hidden_states) - 1
+        if self.config.target_layer_ids[-1] >= num_layers - 1:
+            raise DSparkConfigError(
+                f"target_layer_ids={self.config.target_layer_ids} need raw layer outputs below layer "
+                f"{num_layers - 1} of this {num_layers}-layer target (its last slot is final-normed)"
+            )
+        return torch.cat([target_hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    def fuse_target_features(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Fuses tapped features into context features ``C = hidden_norm(fc(x))``.
+
+        Shapes: ``[B, T, m·H] -> [B, T, H]``.
+
+        Computing ``C`` is the first step of :meth:`forward`; it is exposed for training caches.
+        """
+        return self.hidden_norm(self.fc(target_hidden_states.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_input_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor | None = None,
+        context_position_ids: torch.Tensor | None = None,
+        draft_cache: DraftKVCache | None = None,
+    ) -> DSparkBackboneOutput:
+        """Runs the backbone over ``N`` blocks per sequence in one parallel pass.
+
+        Args:
+            block_input_ids: ``[B, N, K]`` target ids, ``[anchor, MASK, ...]`` per block.
+            anchor_positions: ``[B, N]`` absolute position ``p`` of each anchor.
+            target_hidden_states: ``[B, C_new, m·H]`` tapped target features of the *new*
+                context rows (all rows when there is no cache), or None.
+            context_position_ids: ``[B, C_new]`` their positions; default: consecutive, after the
+                rows already in ``draft_cache`` (or from 0).
+            draft_cache: Keeps context rows across rounds (inference); block rows never enter it.
+
+        Returns:
+            Hidden states and base logits of the drafting slots.
+        """
+        target = self._require_target()
+        batch, num_blocks, block_size = block_input_ids.shape
+        if block_size != self.config.block_size:
+            raise ValueError(f"block_input_ids has {block_size} slots per block, expected {self.config.block_size}")
+        if target_hidden_states is None:
+            target_hidden_states = self.fc.weight.new_zeros(batch, 0, self.fc.in_features)
+        context_features = self.fuse_target_features(target_hidden_states)
+        if context_position_ids is None:
+            start = draft_cache.num_context_rows if draft_cache is not None else 0
+            positions = torch.arange(start, start + context_features.shape[1], device=block_input_ids.device)
+            context_position_ids = positions.expand(batch, -1)
+        all_context_positions = context_position_ids
+        if draft_cache is not None:
+            all_context_positions = draft_cache.append_positions(context_position_ids)
+        slots = torch.arange(block_size, device=block_input_ids.device)
+        block_positions = (anchor_positions[..., None] + slots).reshape(batch, -1)
+        mask = block_attention_mask(all_context_positions, anchor_positions, block_size)
+        # With a target split over devices (device_map), its embedding and LM head may live on
+        # other devices than the head: bring their outputs to the head's device.
+        embeddings = target.embed_tokens(block_input_ids.reshape(batch, -1))
+        states = embeddings.to(self.fc.weight.device, self.fc.weight.dtype)
+        rope = self.rotary_emb(states, torch.cat([context_position_ids, block_positions], dim=1))
+        for layer in self.layers:
+            states = layer(states, context_features, rope, mask, draft_cache)
+        first_slot = 0 if self.config.sample_from_anchor else 1
+        draft_hidden = self.norm(states).view(batch, num_blocks, block_size, -1)[:, :, first_slot:]
+        return DSparkBackboneOutput(draft_hidden, self.base_logits(draft_hidden))
+
+    def base_logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone logits over the draft vocabulary: ``[*, H] -> [*, V_d]``."""
+        lm_head = self.lm_head if self.lm_head is not None else self._require_target().lm_head
+        logits = lm_head(draft_hidden.to(lm_head.weight.dtype)).to(draft_hidden.device)
+        softcap = self.config.final_logit_softcapping
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    # ------------------------------------------------------------------- Markov and confidence
+
+    def _correct(
+        self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, markov: MarkovStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        draft_logits = base_logits if markov is None else base_logits + markov.bias.to(base_logits.dtype)
+        if self.confidence_head is None:
+            return draft_logits, None
+        markov_features = markov.prev_embeddings if self.config.confidence_head_with_markov else None
+        return draft_logits, self.confidence_head(draft_hidden, markov_features)
+
+    def draft_step(
+        self,
+        base_logits: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        prev_token_ids: torch.Tensor,
+        markov_state: torch.Tensor | None = None,
+    ) -> DraftStep:
+        """The serial step: the logits draft token ``j`` is sampled from, given its predecessor.
+
+        Args:
+            base_logits: ``[B, V_d]`` backbone logits of draft token ``j``.
+            draft_hidden: ``[B, H]`` its hidden state.
+            prev_token_ids: ``[B]`` predecessor as *target* ids: the anchor for ``j = 0``, then
+                ``draft_to_target_ids(sampled draft ids)``.
+            markov_state: The previous step's ``markov_state`` (None at ``j = 0``).
+        """
+        markov = (
+            None if self.markov_head is None else self.markov_head.step(prev_token_ids, draft_hidden, markov_state)
+        )
+        draft_logits, confidence_logits = self._correct(base_logits, draft_hidden, markov)
+        return DraftStep(draft_logits, confidence_logits, None if markov is None else markov.state)
+
+    def teacher_forced(
+        self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, prev_token_ids: torch.Tensor
+    ) -> DraftBlockLogits:
+        """The parallel path: logits of all draft tokens from ground-truth predecessors.
+
+        Args:
+            base_logits: ``[*, S, V_d]``.
+            draft_hidden: ``[*, S, H]``.
+            prev_token_ids: ``[*, S]`` target ids, ``block_token_ids[..., :S]`` (anchor first).
+        """
+        markov = None if self.markov_head is None else self.markov_head.teacher_forced(prev_token_ids, draft_hidden)
+        return DraftBlockLogits(*self._correct(base_logits, draft_hidden, markov))

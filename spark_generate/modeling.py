@@ -1,0 +1,167 @@
+"""`DSparkForCausalLM`: any Transformers causal LM, generating with a DSpark head.
+
+The wrapper holds the target (``.model``) and optionally a default head (``.head``) and behaves
+like the target: attribute access (``config``, ``device``, ``dtype``, ``generation_config``,
+``save_pretrained``, ...) and ``forward`` go to the target, which is never modified. Only
+``generate`` differs::
+
+    model = DSparkForCausalLM.from_pretrained("Qwen/Qwen3-4B", dtype=torch.bfloat16)
+    out = model.generate(**inputs, assistant="org/dspark-qwen3-4b", max_new_tokens=256)
+
+With an ``assistant`` (a :class:`~spark_generate.heads.DSparkHead`, a local folder or a Hub id)
+or a default head, ``generate`` runs the target's own ``generate()`` with the DSpark loop as its
+decoding strategy (:func:`spark_generate.generation.decode`), so every input preparation of
+``generate()`` (generation config merging, processors, stopping criteria, masks) is the stock one.
+Without a head it *is* the target's ``generate()``.
+
+The wrapper intercepts the arguments ``generate()`` would refuse or not forward to a decoding
+callable: ``assistant``, ``streamer``, ``seed``, ``schedule``, and ``stop_strings`` with its
+``tokenizer`` (turned into a :class:`~transformers.StopStringCriteria`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedModel,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+
+from spark_generate.generation import DSparkGenerateOutput, decode
+from spark_generate.heads import DSparkHead
+from spark_generate.schedule import Schedule
+
+__all__ = ["DSparkForCausalLM"]
+
+HeadLike = DSparkHead | str | os.PathLike
+
+
+class DSparkForCausalLM(nn.Module):
+    """A causal LM that generates with DSpark speculative decoding, without changing its output.
+
+    Args:
+        model: Any loaded Transformers causal LM (the target).
+        head: Default draft head for :meth:`generate` (a head, a folder or a Hub id), or None.
+    """
+
+    def __init__(self, model: PreTrainedModel, head: HeadLike | None = None):
+        super().__init__()
+        if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
+            raise ValueError(
+                f"DSparkForCausalLM wraps a Transformers causal LM; got {type(model).__name__}. "
+                "Load the target with AutoModelForCausalLM.from_pretrained(...)."
+            )
+        self.model = model
+        self.head = None if head is None else self._load_head(head)
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *, assistant: HeadLike | None = None, **kwargs: Any
+    ) -> DSparkForCausalLM:
+        """Loads the target with ``AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)``.
+
+        Args:
+            pretrained_model_name_or_path: Hub id or folder of the target.
+            assistant: Default draft head (a head, a folder or a Hub id), or None.
+            **kwargs: Passed to ``AutoModelForCausalLM.from_pretrained`` (``dtype``, ``device_map``, ...).
+        """
+        return cls(AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, **kwargs), assistant)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "model" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["model"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The target's forward, unchanged."""
+        return self.model(*args, **kwargs)
+
+    def _load_head(self, head: HeadLike) -> DSparkHead:
+        """Loads a head if given by name, places it next to the target's LM head, and attaches it."""
+        lm_head_weight = self.model.get_output_embeddings().weight
+        if not isinstance(head, DSparkHead):
+            head = DSparkHead.from_pretrained(head, dtype=lm_head_weight.dtype, device=lm_head_weight.device)
+        return head.attach(self.model)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        *,
+        assistant: HeadLike | None = None,
+        streamer: Any = None,
+        seed: int | torch.Tensor | None = None,
+        schedule: Schedule | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | DSparkGenerateOutput | Any:
+        """Generates like ``model.generate``, drafting with ``assistant`` (or the default head).
+
+        Args:
+            inputs: ``[B, P]`` prompt ids (left-padded for ``B > 1``), as for ``generate()``.
+            generation_config: As for ``generate()``.
+            assistant: A :class:`DSparkHead`, a local folder or a Hub id; default: ``self.head``.
+                Without any head this is plain ``generate()``.
+            streamer: A Transformers streamer (batch size 1): the prompt, then each committed chunk.
+            seed: Philox seed for sampling: ``int`` or int64 ``[B]`` per row (see
+                :func:`spark_generate.decode`); None draws from torch's global generator.
+            schedule: How many drafts to verify per step (:mod:`spark_generate.schedule`);
+                default: the whole block.
+            stopping_criteria: Extra stopping criteria, as for ``generate()``.
+            **kwargs: Everything else ``generate()`` accepts (``max_new_tokens``, ``do_sample``,
+                ``temperature``, ``stop_strings`` with ``tokenizer``, ``attention_mask``, ...).
+
+        Returns:
+            What ``generate()`` returns: sequences, or with ``return_dict_in_generate=True`` a
+            :class:`~spark_generate.generation.DSparkGenerateOutput` with ``dspark_stats``.
+
+        Raises:
+            ValueError: An unsupported decoding mode (beam search, contrastive search), a head
+                built for another target, or invalid inputs.
+        """
+        head = self._load_head(assistant) if assistant is not None else self.head
+        if head is None:
+            return self.model.generate(
+                inputs, generation_config, streamer=streamer, stopping_criteria=stopping_criteria, **kwargs
+            )
+        if kwargs.get("assistant_model") is not None:
+            raise ValueError(
+                "got both a DSpark head and assistant_model=; pass the DSpark head as assistant= and drop "
+                "assistant_model (which selects Transformers' own assisted decoding)."
+            )
+        tokenizer = kwargs.pop("tokenizer", None)
+        stop_strings = kwargs.pop("stop_strings", None)
+        if generation_config is not None and generation_config.stop_strings is not None:
+            stop_strings = stop_strings or generation_config.stop_strings
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.stop_strings = None
+        if stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError(
+                    f"stop_strings={stop_strings!r} needs the tokenizer: pass tokenizer=... to generate()."
+                )
+            stop = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
+        return self.model.generate(
+            inputs,
+            generation_config,
+            stopping_criteria=stopping_criteria,
+            custom_generate=decode,
+            dspark_head=head,
+            dspark_streamer=streamer,
+            dspark_seed=seed,
+            dspark_schedule=schedule,
+            **kwargs,
+        )

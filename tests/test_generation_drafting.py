@@ -1,0 +1,111 @@
+"""The draft side of the loop: head variants stay exact, and the draft context is the right one.
+
+Exactness does not depend on the drafts, so a bug in what the head is shown (wrong positions,
+holes left visible, a draft cache not advanced) would only lower acceptance. The last test
+catches such bugs directly: inside a ragged, left-padded batch it recomputes every drafted block
+from scratch (a fresh target forward over the row's committed tokens and a head forward without
+cache) and requires the same drafts.
+"""
+
+import pytest
+import torch
+from test_generation import VOCAB, oracle, prompts, tiny_head, tiny_target
+
+import spark_generate.generation as generation
+from spark_generate import decode
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_target("llama")
+
+
+@pytest.mark.parametrize(
+    "head_fields",
+    [
+        {"markov_head_type": "gated"},
+        {"markov_head_type": "rnn"},
+        {"markov_rank": 0, "enable_confidence_head": False},
+        {"sample_from_anchor": False},
+        {"draft_vocab_size": 40},
+        {"enable_confidence_head": True, "confidence_head_with_markov": True},
+    ],
+    ids=["gated", "rnn", "no-markov", "dflash-slots", "reduced-vocab", "confidence"],
+)
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_head_variants(llama, head_fields, do_sample):
+    """Greedy output equals plain greedy; sampled output runs and is reproducible."""
+    head = tiny_head(llama, **head_fields)
+    input_ids, attention_mask = prompts(3)
+    kwargs = {"attention_mask": attention_mask, "do_sample": do_sample, "max_new_tokens": 12}
+    spec = llama.generate(input_ids, custom_generate=decode, dspark_head=head, dspark_seed=5, **kwargs)
+    if do_sample:
+        again = llama.generate(input_ids, custom_generate=decode, dspark_head=head, dspark_seed=5, **kwargs)
+        assert torch.equal(spec, again)
+    else:
+        assert torch.equal(spec, llama.generate(input_ids, **kwargs))
+
+
+@torch.no_grad()
+def drafts_from_scratch(target, head, prefixes, anchor_ids) -> torch.Tensor:
+    """Greedy drafts recomputed per row from the row's committed tokens, without any cache."""
+    drafts = []
+    for row_ids, length, anchor in zip(prefixes.token_ids, prefixes.lengths.tolist(), anchor_ids, strict=True):
+        tokens = row_ids[:length]
+        tokens = tokens[(tokens != 0).long().cumsum(0) > 0]  # drop the left padding (pad id 0)
+        hidden_states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+        out = head(head.block_input_ids(anchor[None]), torch.tensor([[len(tokens) - 1]]),
+                   head.select_target_features(hidden_states))  # fmt: skip
+        prev, state, row_drafts = anchor[None], None, []
+        for slot in range(head.config.num_draft_tokens):
+            step = head.draft_step(out.base_logits[:, 0, slot], out.draft_hidden[:, 0, slot], prev, state)
+            prev, state = step.draft_logits.argmax(-1), step.markov_state
+            row_drafts.append(prev)
+        drafts.append(torch.cat(row_drafts))
+    return torch.stack(drafts)
+
+
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
+def test_draft_context_is_the_committed_prefix(llama, markov_head_type, monkeypatch):
+    head = tiny_head(llama, block_size=4, markov_head_type=markov_head_type)
+    input_ids, attention_mask = prompts(3)
+    plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
+    checked = []
+
+    def check(block, head, anchor_ids, prefixes):
+        torch.testing.assert_close(
+            block.token_ids, drafts_from_scratch(llama, head, prefixes, anchor_ids), rtol=0, atol=0
+        )
+        checked.append(len(anchor_ids))
+
+    # Ragged acceptance (corrupted oracle drafts) leaves holes in both caches.
+    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=5, inspect=check))
+    spec = llama.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20, custom_generate=decode,
+        dspark_head=head,
+    )  # fmt: skip
+    assert torch.equal(spec, plain) and len(checked) >= 5
+
+
+def test_reduced_vocab_drafts_stay_in_the_draft_vocabulary(llama, monkeypatch):
+    head = tiny_head(llama, draft_vocab_size=40)
+    allowed = head.draft_to_target_ids(torch.arange(40))
+    real_draft_block = generation.draft_block
+    seen = []
+
+    def recording(*args):
+        block = real_draft_block(*args)
+        seen.append(block)
+        return block
+
+    monkeypatch.setattr(generation, "draft_block", recording)
+    input_ids, attention_mask = prompts(2)
+    llama.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8,
+                   custom_generate=decode, dspark_head=head)  # fmt: skip
+    for block in seen:
+        assert torch.isin(block.token_ids, allowed).all()
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[allowed] = False
+        assert (block.probs[..., outside] == 0).all()
+        torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]))
+    assert seen

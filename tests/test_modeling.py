@@ -1,0 +1,157 @@
+"""`DSparkForCausalLM`: behaves like the wrapped model, and `generate(..., assistant=...)` is exact.
+
+Covers the wrapper's delegation (config, device, dtype, forward, saving), plain ``generate()``
+without a head, heads given as objects or folders, ``stop_strings`` with a tokenizer (built in
+memory, nothing from the Hub), streaming text and the errors users hit first.
+"""
+
+import pytest
+import torch
+from test_generation import PAD, VOCAB, oracle, prompts, tiny_head, tiny_target
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TextStreamer
+
+import spark_generate.generation as generation
+from spark_generate import DSparkForCausalLM, decode
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # StopStringCriteria tokenizes the probe "abcdef" while reading the vocabulary: give it a token.
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"abcdef": VOCAB - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t1")
+
+
+def test_behaves_like_the_wrapped_model(llama, tmp_path):
+    model = DSparkForCausalLM(llama, tiny_head(llama))
+    assert model.config is llama.config and model.generation_config is llama.generation_config
+    assert model.device == llama.device and model.dtype == torch.float64
+    input_ids, attention_mask = prompts(2)
+    expected = llama(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(model(input_ids, attention_mask=attention_mask).logits, expected)
+    model.save_pretrained(tmp_path)  # the target, untouched: no head weights
+    reloaded = DSparkForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert set(reloaded.model.state_dict()) == set(llama.state_dict())
+    plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8)
+    assert torch.equal(
+        reloaded.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=8), plain
+    )
+
+
+def test_without_a_head_it_is_plain_generate(llama):
+    input_ids, attention_mask = prompts(2)
+    torch.manual_seed(5)
+    plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8)
+    torch.manual_seed(5)
+    wrapped = DSparkForCausalLM(llama).generate(
+        input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8
+    )
+    assert torch.equal(plain, wrapped)
+
+
+def test_assistant_as_object_or_folder(llama, tmp_path):
+    head = tiny_head(llama)
+    head.save_pretrained(tmp_path / "head")
+    input_ids, attention_mask = prompts(3)
+    kwargs = {"attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 15}
+    plain = llama.generate(input_ids, **kwargs)
+    model = DSparkForCausalLM(llama)
+    assert torch.equal(model.generate(input_ids, assistant=head, **kwargs), plain)
+    assert torch.equal(model.generate(input_ids, assistant=str(tmp_path / "head"), **kwargs), plain)
+    default = DSparkForCausalLM(llama, head=tmp_path / "head")
+    assert torch.equal(default.generate(input_ids, **kwargs), plain)
+
+
+def test_stop_strings_inside_an_accepted_block(llama, tokenizer, monkeypatch):
+    input_ids, attention_mask = prompts(3)
+    free = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
+    stop = tokenizer.convert_ids_to_tokens(int(free[0, input_ids.shape[1] + 6]))
+    kwargs = {"attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 20}
+    plain = llama.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, **kwargs)
+    assert plain.shape[1] < free.shape[1] or (plain == PAD).any()
+    monkeypatch.setattr(generation, "draft_block", oracle(plain))
+    model = DSparkForCausalLM(llama, tiny_head(llama, block_size=5))
+    spec = model.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(plain, spec.sequences)
+    assert spec.dspark_stats.num_accepted.sum() > 0
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        model.generate(input_ids, stop_strings=[stop], **kwargs)
+
+
+class CollectingStreamer(TextStreamer):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=True)
+        self.text = ""
+
+    def on_finalized_text(self, text, stream_end=False):
+        self.text += text
+
+
+def test_streamed_text_equals_final_text(llama, tokenizer, monkeypatch):
+    input_ids, _ = prompts(1)
+    plain = llama.generate(input_ids, do_sample=False, max_new_tokens=16)
+    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=3))
+    streamer = CollectingStreamer(tokenizer)
+    out = DSparkForCausalLM(llama, tiny_head(llama)).generate(
+        input_ids, do_sample=False, max_new_tokens=16, streamer=streamer
+    )
+    assert torch.equal(out, plain)
+    assert streamer.text == tokenizer.decode(out[0, input_ids.shape[1] :])
+
+
+def test_sampling_is_reproducible(llama):
+    model = DSparkForCausalLM(llama, tiny_head(llama))
+    input_ids, attention_mask = prompts(3)
+    kwargs = {"attention_mask": attention_mask, "do_sample": True, "temperature": 0.8, "max_new_tokens": 12}
+    assert torch.equal(model.generate(input_ids, seed=11, **kwargs), model.generate(input_ids, seed=11, **kwargs))
+    torch.manual_seed(4)
+    first = model.generate(input_ids, **kwargs)
+    torch.manual_seed(4)
+    assert torch.equal(first, model.generate(input_ids, **kwargs))
+
+
+def test_row_output_is_independent_of_batch_composition(llama):
+    """With per-row seeds, a row's tokens depend only on its own prompt and seed."""
+    model = DSparkForCausalLM(llama, tiny_head(llama))
+    input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(8))
+    seeds = torch.tensor([101, 202, 303])
+    kwargs = {"do_sample": True, "top_k": 20, "max_new_tokens": 10}
+    batched = model.generate(input_ids, seed=seeds, **kwargs)
+    for row in range(3):
+        alone = model.generate(input_ids[row : row + 1], seed=seeds[row : row + 1], **kwargs)
+        assert torch.equal(alone[0], batched[row, : alone.shape[1]])
+
+
+def test_left_padded_row_samples_like_the_row_alone(llama):
+    """Philox draws are keyed by each row's seed and real positions, so left padding changes nothing."""
+    model = DSparkForCausalLM(llama, tiny_head(llama))
+    input_ids, attention_mask = prompts(3)
+    seeds = torch.tensor([7, 8, 9])
+    kwargs = {"do_sample": True, "temperature": 0.9, "max_new_tokens": 10}
+    batched = model.generate(input_ids, attention_mask=attention_mask, seed=seeds, **kwargs)
+    prompt_length = input_ids.shape[1]
+    for row in range(3):
+        real = input_ids[row : row + 1, attention_mask[row].bool()]
+        new = model.generate(real, seed=seeds[row : row + 1], **kwargs)[0, real.shape[1] :]
+        assert torch.equal(new, batched[row, prompt_length : prompt_length + len(new)])  # then padding, if EOS
+
+
+def test_errors(llama):
+    model = DSparkForCausalLM(llama, tiny_head(llama))
+    input_ids, _ = prompts(1)
+    with pytest.raises(ValueError, match="num_beams"):
+        model.generate(input_ids, num_beams=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(input_ids, max_new_tokens=0)  # generate()'s own check, before any decoding
+    with pytest.raises(ValueError, match="causal LM"):
+        DSparkForCausalLM(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="needs a draft head"):
+        llama.generate(input_ids, max_new_tokens=4, custom_generate=decode)

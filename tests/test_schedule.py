@@ -1,0 +1,153 @@
+"""Confidence scheduling: the three schedules, the cost table, and why Algorithm 1 must stop early.
+
+The key property: whether slot ``j`` of a row is verified may depend on the confidences of slots
+``<= j`` (which read drafts ``< j``) but never on those after ``j`` (which read ``d_j``). It is
+checked directly under Hypothesis, and through its consequence on the paper's Appendix A
+counterexample: a retrospective global search over verify lengths turns a target distribution
+(0.7, 0.3) into (0.85, 0.15), while Algorithm 1 with its early stop stays exact.
+"""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+from test_generation import tiny_head, tiny_target
+
+from spark_generate import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, decode, profile_costs
+from spark_generate.kernels import RandomStream, rejection_sample
+from spark_generate.sampling import sample
+from spark_generate.schedule import load_calibration
+
+
+def logits_of(confidences: list[list[float]]) -> torch.Tensor:
+    return torch.logit(torch.tensor(confidences, dtype=torch.float64)).float()
+
+
+def test_fixed_length_and_threshold():
+    confidence_logits = logits_of([[0.9, 0.4, 0.9], [0.6, 0.7, 0.8], [0.3, 0.9, 0.9]])
+    assert FixedLength()(confidence_logits, 3, 3).tolist() == [3, 3, 3]
+    assert FixedLength(2)(None, 3, 3).tolist() == [2, 2, 2]
+    assert ConfidenceThreshold(0.5)(confidence_logits, 3, 3).tolist() == [1, 3, 0]
+    assert ConfidenceThreshold(0.0)(confidence_logits, 3, 3).tolist() == [3, 3, 3]
+    temperatures = torch.tensor([1.0, 1.0, 100.0])  # a hot last slot: sigmoid(z / 100) ~ 0.5
+    assert ConfidenceThreshold(0.51, temperatures)(confidence_logits, 3, 3).tolist() == [1, 2, 0]
+    with pytest.raises(ValueError, match="no confidence head"):
+        ConfidenceThreshold(0.5)(None, 3, 3)
+
+
+def test_goodput_admits_by_survival_until_goodput_drops():
+    # SPS(n) = 1 / (2 + n): a fixed cost per round, then one unit per verified token.
+    table = CostTable(num_tokens=(1, 8), verify_seconds=(1.0, 8.0), draft_seconds=2.0)
+    confidence_logits = logits_of([[0.99, 0.99, 0.2], [0.5, 0.9, 0.9]])
+    # survivals: row 0: .99 .98 .196; row 1: .5 .45 .405. Start: goodput 2 / 4 = .5; admit .99
+    # (2.99 / 5 = .598) and .98 (3.97 / 6 = .662); .5 would give 4.47 / 7 = .639: stop there.
+    assert GoodputSchedule(table)(confidence_logits, 2, 3).tolist() == [2, 0]
+    free = CostTable(num_tokens=(1,), verify_seconds=(1.0,))  # verification costs nothing extra
+    assert GoodputSchedule(free)(confidence_logits, 2, 3).tolist() == [3, 3]
+
+
+@given(
+    confidences=st.lists(st.lists(st.floats(0.01, 0.99), min_size=4, max_size=4), min_size=1, max_size=4),
+    seconds=st.lists(st.floats(0.1, 10.0), min_size=2, max_size=6),
+    replacement=st.floats(0.01, 0.99),
+    data=st.data(),
+)
+def test_goodput_decision_for_a_slot_ignores_later_slots(confidences, seconds, replacement, data):
+    """Changing the confidences after slot j (they read d_j) never changes whether j is verified."""
+    table = CostTable(num_tokens=tuple(range(1, len(seconds) + 1)), verify_seconds=tuple(seconds))
+    schedule = GoodputSchedule(table)
+    original = schedule(logits_of(confidences), len(confidences), 4)
+    row = data.draw(st.integers(0, len(confidences) - 1))
+    slot = data.draw(st.integers(0, 3))
+    changed = [list(c) for c in confidences]
+    changed[row][slot + 1 :] = [replacement] * (3 - slot)
+    after = schedule(logits_of(changed), len(confidences), 4)
+    assert (original[row] > slot) == (after[row] > slot)
+
+
+def retrospective_schedule(confidence_logits: torch.Tensor, table: CostTable) -> torch.Tensor:
+    """The biased alternative: the verify length maximising goodput over *all* prefixes (one row)."""
+    survival = torch.sigmoid(confidence_logits[0]).cumprod(0).tolist()
+    goodputs = [(1 + sum(survival[:n])) * table.steps_per_second(1 + n) for n in range(len(survival) + 1)]
+    return torch.tensor([max(range(len(goodputs)), key=goodputs.__getitem__)])
+
+
+@pytest.mark.parametrize("schedule_name", ["algorithm1", "retrospective"])
+def test_appendix_a_counterexample(schedule_name):
+    """Target (0.7, 0.3) at the first slot; drafts uniform; c_2 = 1 iff d_1 = token 0, else 0.
+
+    Verifying one draft is not worth its cost (SPS(2) = SPS(3) = 0.6 < 1 / 1.5), two are, when
+    c_2 = 1. A retrospective search verifies d_1 exactly when d_1 = 0, so token 0 comes out with
+    probability 0.5 · 1 + 0.5 · 0.7 = 0.85.
+    """
+    num_rows = 20_000
+    table = CostTable(num_tokens=(1, 2, 3), verify_seconds=(1.0, 1 / 0.6, 1 / 0.6))
+    target_probs = torch.tensor([[0.7, 0.3], [0.5, 0.5], [0.5, 0.5]]).expand(num_rows, -1, -1).contiguous()
+    draft_probs = torch.full((num_rows, 2, 2), 0.5)
+    seeds = torch.arange(num_rows, dtype=torch.int64)
+    drafts = torch.stack(
+        [sample(draft_probs[:, slot], seed=seeds, positions=1 + slot, stream=RandomStream.DRAFT) for slot in range(2)],
+        dim=1,
+    )
+    confidence_logits = torch.stack([torch.zeros(num_rows), torch.where(drafts[:, 0] == 0, 30.0, -30.0)], dim=1)
+    if schedule_name == "algorithm1":
+        num_verified = GoodputSchedule(table)(confidence_logits, num_rows, 2)
+    else:
+        num_verified = torch.cat([retrospective_schedule(row[None], table) for row in confidence_logits])
+    output, _ = rejection_sample(target_probs, draft_probs, drafts, num_verified, seed=seeds, positions=1)
+    counts = torch.bincount(output[:, 0], minlength=2).double()
+    p_value = chisquare(counts.numpy(), (torch.tensor([0.7, 0.3]) * num_rows).numpy()).pvalue
+    if schedule_name == "algorithm1":
+        assert p_value > 1e-4, counts
+    else:
+        assert p_value < 1e-12 and abs(float(counts[0]) / num_rows - 0.85) < 0.02, counts
+
+
+def test_cost_table_interpolates_and_round_trips(tmp_path):
+    table = CostTable(num_tokens=(1, 3), verify_seconds=(1.0, 3.0), draft_seconds=1.0)
+    assert table.steps_per_second(2) == pytest.approx(1 / 3)
+    assert table.steps_per_second(0) == pytest.approx(1 / 2) and table.steps_per_second(9) == pytest.approx(1 / 4)
+    table.save(tmp_path / "costs.json")
+    assert CostTable.load(tmp_path / "costs.json") == table
+
+
+def test_profile_costs_writes_a_table(tmp_path):
+    target = tiny_target("llama", num_layers=2)
+    head = tiny_head(target, block_size=3)
+    table = profile_costs(target, head, batch_size=2, context_length=8, repeats=1, path=tmp_path / "costs.json")
+    assert table.num_tokens == (2, 4, 6, 8)
+    assert all(seconds > 0 for seconds in table.verify_seconds) and table.draft_seconds > 0
+    assert json.loads((tmp_path / "costs.json").read_text())["num_tokens"] == [2, 4, 6, 8]
+
+
+def test_load_calibration(tmp_path):
+    (tmp_path / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.5, 2.0]}))
+    assert load_calibration(tmp_path / "sts.json").tolist() == [1.0, 1.5, 2.0]
+    (tmp_path / "bad.json").write_text(json.dumps({"temperatures": [1.0, -1.0]}))
+    with pytest.raises(ValueError, match="positive"):
+        load_calibration(tmp_path / "bad.json")
+
+
+def test_schedules_drive_generation_and_stay_exact(tmp_path):
+    """A measured cost table and a threshold, end to end: greedy output unchanged, fewer drafts verified."""
+    target = tiny_target("llama", num_layers=2)
+    head = tiny_head(target, block_size=4, enable_confidence_head=True)
+    input_ids = torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(input_ids, do_sample=False, max_new_tokens=12)
+    table = profile_costs(target, head, batch_size=2, context_length=8, repeats=1, path=tmp_path / "costs.json")
+    drafted = {}
+    for name, schedule in {
+        "fixed": FixedLength(),
+        "threshold": ConfidenceThreshold(0.999),
+        "goodput": GoodputSchedule(CostTable.load(tmp_path / "costs.json")),
+    }.items():
+        out = target.generate(
+            input_ids, do_sample=False, max_new_tokens=12, custom_generate=decode, dspark_head=head,
+            dspark_schedule=schedule, return_dict_in_generate=True,
+        )  # fmt: skip
+        assert torch.equal(out.sequences, plain), name
+        drafted[name] = int(out.dspark_stats.num_drafted.sum())
+    assert drafted["threshold"] < drafted["fixed"] and table.num_tokens[0] == 2
