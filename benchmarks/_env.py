@@ -1,9 +1,12 @@
-"""Shared provenance for benchmark results: hardware, versions and the git commit."""
+"""Shared by the benchmarks: provenance (hardware, versions, commit, date) and the CSV writer."""
 
 from __future__ import annotations
 
+import csv
 import platform
 import subprocess
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ def hardware(device: torch.device) -> str:
 
 
 def provenance(device: torch.device) -> dict[str, str]:
-    """Key facts recorded at the top of every results file."""
+    """Key facts recorded at the top of every results file: hardware, versions, commit and date."""
     versions = (
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
     )
@@ -49,4 +52,25 @@ def provenance(device: torch.device) -> dict[str, str]:
         versions += f", triton {triton.__version__}"
     except ImportError:
         pass
-    return {"hardware": hardware(device), "versions": versions, "commit": git_commit()}
+    return {
+        "hardware": hardware(device),
+        "versions": versions,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def write_results(
+    path: Path, rows: Sequence[Mapping[str, object]], device: torch.device, notes: Sequence[str] = ()
+) -> None:
+    """Writes ``rows`` as CSV, headed by ``# key: value`` provenance lines and ``# note`` lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as file:
+        for key, value in provenance(device).items():
+            file.write(f"# {key}: {value}\n")
+        for note in notes:
+            file.write(f"# {note}\n")
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")

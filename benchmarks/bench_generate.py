@@ -24,7 +24,6 @@ Run: ``python benchmarks/bench_generate.py`` (add ``--models tiny-llama`` for a 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from _env import provenance
+from _env import write_results
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spark_generate import DSparkForCausalLM
@@ -158,19 +157,11 @@ def main() -> None:
                 row = run(model, batch_size, args)
                 print(row)
                 rows.append(row)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "generate_cpu.csv"
-    with path.open("w", newline="") as file:
-        for key, value in provenance(torch.device("cpu")).items():
-            file.write(f"# {key}: {value}\n")
-        file.write(
-            f"# float32, greedy, untrained head (1 draft layer), {args.threads} torch thread(s), fastest of "
-            f"{args.repeats} runs; {args.note}\n"
-        )
-        writer = csv.DictWriter(file, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    print(f"wrote {path}")
+    note = (
+        f"float32, greedy, untrained head (1 draft layer), {args.threads} torch thread(s), fastest of "
+        f"{args.repeats} runs; {args.note}"
+    )
+    write_results(RESULTS / "generate_cpu.csv", [asdict(row) for row in rows], torch.device("cpu"), [note])
 
 
 if __name__ == "__main__":

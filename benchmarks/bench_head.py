@@ -21,19 +21,16 @@ commit in comment lines at the top. Run: ``python benchmarks/bench_head.py``.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import transformers
+from _env import write_results
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spark_generate.heads import DSparkHead
@@ -162,26 +159,6 @@ def count(module: torch.nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def header_lines() -> list[str]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "none (no commit yet)"
-    cpu = platform.processor() or platform.machine()
-    model_names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
-    if model_names:
-        cpu = model_names[0].split(":", 1)[1].strip()
-    return [
-        f"# hardware: {cpu}, {os.cpu_count()} CPU cores; float32, batch 1, medians; the target decode step "
-        "and the draft passes are timed round-robin so that both see the same machine load; a configuration "
-        "whose decode step is over 1.5x the fastest seen for that target is re-measured (flag: disturbed)",
-        f"# torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}",
-        f"# git commit: {commit}; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-    ]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=512, help="cached context length")
@@ -230,13 +207,12 @@ def main() -> None:
                 )
                 rows.append(row)
                 print(row)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("w", newline="") as file:
-        file.write("\n".join(header_lines()) + "\n")
-        writer = csv.DictWriter(file, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    print(f"wrote {RESULTS}")
+    note = (
+        "float32, batch 1, medians; the target decode step and the draft passes are timed round-robin so "
+        "that both see the same machine load; a configuration whose decode step is over 1.5x the fastest "
+        "seen for that target is re-measured (flag: disturbed)"
+    )
+    write_results(RESULTS, [asdict(row) for row in rows], torch.device("cpu"), [note])
 
 
 if __name__ == "__main__":

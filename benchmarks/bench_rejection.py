@@ -14,13 +14,12 @@ versions and commit.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _env import provenance
+from _env import write_results
 from tqdm import tqdm
 
 from spark_generate.kernels import rejection_sample
@@ -71,7 +70,6 @@ def main() -> None:
     device = torch.device(args.device)
     backends = ["torch"] + (["triton"] if triton_supports(device) and device.type == "cuda" else [])
     output = args.output or RESULTS / f"rejection_{device.type}.csv"
-    output.parent.mkdir(parents=True, exist_ok=True)
     grid = [(b, k, v) for v in args.vocab_sizes for k in args.block_sizes for b in args.batch_sizes]
     rows = []
     for batch_size, block_size, vocab_size in tqdm(grid, desc="rejection_sample"):
@@ -91,13 +89,8 @@ def main() -> None:
                 rows.append(dict(batch=batch_size, block=block_size, vocab=vocab_size, backend=backend, draws=mode,
                                  microseconds=round(seconds * 1e6, 1)))  # fmt: skip
 
-    with output.open("w", newline="") as f:
-        for key, value in provenance(device).items():
-            f.write(f"# {key}: {value}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {output}")
+    threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else "CUDA"
+    write_results(output, rows, device, [f"{threads}, median of {args.repeats} calls, validation off"])
     print(f"{'B':>4} {'K':>4} {'V':>8} {'backend':>8} {'draws':>9} {'latency (us)':>14}")
     for row in rows:
         print(f"{row['batch']:>4} {row['block']:>4} {row['vocab']:>8} {row['backend']:>8} {row['draws']:>9} "
