@@ -18,10 +18,11 @@ from spark_generate.sampling import sample
 
 if TYPE_CHECKING:
     from spark_generate.config import DSparkConfig
-    from spark_generate.generation import DSparkGenerateOutput, SpeculativeStats, decode
+    from spark_generate.generation import decode
     from spark_generate.heads import DSparkHead
     from spark_generate.modeling import DSparkForCausalLM
     from spark_generate.schedule import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, profile_costs
+    from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats
 
 # Importing Transformers models imports Triton through torch (torch._native.ops), so the
 # generation API is imported on first use: `spark_generate.decode` works, `import spark_generate`
@@ -31,11 +32,11 @@ _LAZY_EXPORTS = {
     "CostTable": "spark_generate.schedule",
     "DSparkConfig": "spark_generate.config",
     "DSparkForCausalLM": "spark_generate.modeling",
-    "DSparkGenerateOutput": "spark_generate.generation",
+    "DSparkGenerateOutput": "spark_generate.telemetry",
     "DSparkHead": "spark_generate.heads",
     "FixedLength": "spark_generate.schedule",
     "GoodputSchedule": "spark_generate.schedule",
-    "SpeculativeStats": "spark_generate.generation",
+    "SpeculativeStats": "spark_generate.telemetry",
     "decode": "spark_generate.generation",
     "profile_costs": "spark_generate.schedule",
 }

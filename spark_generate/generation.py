@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput
 
 from spark_generate.cache import (
     FeatureTap,
@@ -57,81 +56,15 @@ from spark_generate.drafting import (
 from spark_generate.heads import DraftKVCache, DSparkHead
 from spark_generate.sampling import sample
 from spark_generate.schedule import FixedLength, Schedule
+from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats, record_step, stack_per_step
 from spark_generate.verify import check_finite, verify_block
 
 __all__ = [
-    "DSparkGenerateOutput",
-    "SpeculativeStats",
     "check_generation_config",
     "decode",
     "speculative_generate",
     "speculative_step",
 ]
-
-
-@dataclass
-class SpeculativeStats:
-    """Per-row statistics of one speculative generation (``return_dict_in_generate=True``).
-
-    Attributes:
-        num_rounds: ``[B]`` speculative steps each row took part in.
-        num_drafted: ``[B]`` drafts verified.
-        num_accepted: ``[B]`` drafts accepted.
-        verified_by_position: ``[B, S]`` how often draft slot ``j`` was verified.
-        accepted_by_position: ``[B, S]`` how often it was accepted.
-        draft_seconds: Wall time spent drafting and scheduling.
-        verify_seconds: Wall time in the target's verification forwards and rejection sampling.
-    """
-
-    num_rounds: torch.Tensor
-    num_drafted: torch.Tensor
-    num_accepted: torch.Tensor
-    verified_by_position: torch.Tensor
-    accepted_by_position: torch.Tensor
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @classmethod
-    def zeros(cls, batch_size: int, num_draft_tokens: int) -> SpeculativeStats:
-        """Empty statistics for ``batch_size`` rows and blocks of ``num_draft_tokens`` drafts."""
-        counts = [torch.zeros(batch_size, dtype=torch.int64) for _ in range(3)]
-        positions = [torch.zeros(batch_size, num_draft_tokens, dtype=torch.int64) for _ in range(2)]
-        return cls(*counts, *positions)
-
-    @property
-    def tau(self) -> torch.Tensor:
-        """``[B]`` mean tokens emitted per step (accepted drafts plus the bonus or recovered token)."""
-        return (self.num_accepted + self.num_rounds) / self.num_rounds.clamp(min=1)
-
-    @property
-    def acceptance_by_position(self) -> torch.Tensor:
-        """``[S]`` conditional acceptance rate of slot ``j`` given that it was verified, over all rows."""
-        return self.accepted_by_position.sum(0) / self.verified_by_position.sum(0).clamp(min=1)
-
-    def summary(self) -> str:
-        """A few human-readable lines: tau, acceptance per slot, and where the time went."""
-        rates = " ".join(f"{rate:.2f}" for rate in self.acceptance_by_position.tolist())
-        total_rounds = int(self.num_rounds.sum())
-        tau = (self.num_accepted.sum() + total_rounds) / max(total_rounds, 1)
-        return (
-            f"DSpark: {total_rounds} row-steps, tau {float(tau):.2f} tokens/step "
-            f"({int(self.num_accepted.sum())}/{int(self.num_drafted.sum())} drafts accepted)\n"
-            f"  acceptance by draft position: {rates}\n"
-            f"  time: draft {self.draft_seconds:.3f}s, verify {self.verify_seconds:.3f}s"
-        )
-
-
-@dataclass
-class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
-    """``GenerateDecoderOnlyOutput`` plus the speculative statistics in ``dspark_stats``.
-
-    ``scores`` and ``logits`` (with ``output_scores`` / ``output_logits``) hold one ``[B, V]``
-    float32 tensor per generated token, as plain ``generate()`` gives them; rows that had already
-    stopped get ``-inf`` there (plain decoding keeps computing them). ``cache`` is None: finished
-    rows leave the cache during decoding, so it no longer matches ``sequences``.
-    """
-
-    dspark_stats: SpeculativeStats | None = None
 
 
 @dataclass
@@ -368,7 +301,7 @@ def speculative_step(state: DecodeState) -> None:
         target_logits, block, num_verified, state.anchor_positions, state.logits_processor, state.prefixes,
         state.sampling,
     )  # fmt: skip
-    _record(state.stats, state.rows, num_verified, verdict.num_accepted, start, verify_start)
+    record_step(state.stats, state.rows, num_verified, verdict.num_accepted, start, verify_start)
 
     commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits.float())
     kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
@@ -438,22 +371,6 @@ def drop_finished_rows(state: DecodeState) -> None:
     state.context = DraftContext(state.context.features[keep], state.context.positions[keep])
 
 
-def _record(
-    stats: SpeculativeStats, rows: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor,
-    start: float, verify_start: float,
-) -> None:  # fmt: skip
-    rows, num_verified, num_accepted = rows.cpu(), num_verified.cpu(), num_accepted.cpu()
-    stats.num_rounds[rows] += 1
-    stats.num_drafted[rows] += num_verified
-    stats.num_accepted[rows] += num_accepted
-    slots = torch.arange(stats.verified_by_position.shape[1])
-    stats.verified_by_position[rows] += (slots[None] < num_verified[:, None]).long()
-    stats.accepted_by_position[rows] += (slots[None] < num_accepted[:, None]).long()
-    now = time.perf_counter()
-    stats.draft_seconds += verify_start - start
-    stats.verify_seconds += now - verify_start
-
-
 def check_generation_config(generation_config: GenerationConfig) -> None:
     """Refuses decoding modes DSpark does not implement (beam search, contrastive search, ...).
 
@@ -491,19 +408,6 @@ def _row_seeds(seed: int | torch.Tensor | None, batch_size: int, device: torch.d
     return torch.randint(0, 2**62, (batch_size,), generator=generator).to(device)
 
 
-def _per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """Stacks per-row lists of ``[V]`` tensors into one ``[B, V]`` tensor per step (-inf where a row had stopped)."""
-    num_steps = max(len(tokens) for tokens in per_row)
-    reference = next(tokens[0] for tokens in per_row if tokens)
-    steps = []
-    for step in range(num_steps):
-        rows = [
-            tokens[step] if step < len(tokens) else torch.full_like(reference, float("-inf")) for tokens in per_row
-        ]
-        steps.append(torch.stack(rows))
-    return tuple(steps)
-
-
 def _outputs(
     state: DecodeState, generation_config: GenerationConfig, pad_token_id: int | None
 ) -> torch.Tensor | DSparkGenerateOutput:
@@ -518,7 +422,7 @@ def _outputs(
         return sequences
     return DSparkGenerateOutput(
         sequences=sequences,
-        scores=None if state.scores is None else _per_step(state.scores),
-        logits=None if state.raw_logits is None else _per_step(state.raw_logits),
+        scores=None if state.scores is None else stack_per_step(state.scores),
+        logits=None if state.raw_logits is None else stack_per_step(state.raw_logits),
         dspark_stats=state.stats,
     )

@@ -35,9 +35,10 @@ from transformers import (
     StopStringCriteria,
 )
 
-from spark_generate.generation import DSparkGenerateOutput, decode
+from spark_generate.generation import decode
 from spark_generate.heads import DSparkHead
 from spark_generate.schedule import Schedule
+from spark_generate.telemetry import DSparkGenerateOutput
 
 __all__ = ["DSparkForCausalLM"]
 
@@ -125,7 +126,7 @@ class DSparkForCausalLM(nn.Module):
 
         Returns:
             What ``generate()`` returns: sequences, or with ``return_dict_in_generate=True`` a
-            :class:`~spark_generate.generation.DSparkGenerateOutput` with ``dspark_stats``.
+            :class:`~spark_generate.telemetry.DSparkGenerateOutput` with ``dspark_stats``.
 
         Raises:
             ValueError: An unsupported decoding mode (beam search, contrastive search), a head

@@ -4,7 +4,7 @@ Layers, top to bottom (a module may import only from its own layer or lower ones
 
     0  config, kernels.reference, kernels._availability
     1  sampling, kernels (public dispatch and lazy Triton modules), heads
-    2  drafting, schedule, verify, cache
+    2  drafting, schedule, verify, cache, telemetry
     3  generation
     4  modeling, hf, hub
     5  training, cli
@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "spark_generate.schedule": 2,
     "spark_generate.verify": 2,
     "spark_generate.cache": 2,
+    "spark_generate.telemetry": 2,
     "spark_generate.generation": 3,
     "spark_generate.modeling": 4,
     "spark_generate.hf": 4,
