@@ -41,7 +41,6 @@ __all__ = [
     "apply_processors",
     "draft_block",
     "rows_by_length",
-    "select_draft_rows",
 ]
 
 # Context rows with this position are never attended to (the draft's mask shows a block only the
@@ -220,11 +219,3 @@ def draft_block(
         probs=torch.stack(probs, dim=1) if probs else None,
         confidence_logits=torch.stack(confidence_logits, dim=1) if confidence_logits else None,
     )
-
-
-def select_draft_rows(draft_cache: DraftKVCache, rows: torch.Tensor) -> None:
-    """Keeps only the given batch rows of a draft cache (finished rows leave the batch)."""
-    draft_cache.keys = [None if keys is None else keys[rows] for keys in draft_cache.keys]
-    draft_cache.values = [None if values is None else values[rows] for values in draft_cache.values]
-    if draft_cache.positions is not None:
-        draft_cache.positions = draft_cache.positions[rows]

@@ -51,7 +51,6 @@ from spark_generate.drafting import (
     apply_processors,
     draft_block,
     rows_by_length,
-    select_draft_rows,
 )
 from spark_generate.heads import DraftKVCache, DSparkHead
 from spark_generate.sampling import sample
@@ -364,7 +363,7 @@ def drop_finished_rows(state: DecodeState) -> None:
     if not len(keep):
         return
     state.cache.batch_select_indices(keep)
-    select_draft_rows(state.draft_cache, keep)
+    state.draft_cache.select_rows(keep)
     state.sampling = Sampling(state.sampling.greedy, state.sampling.seeds[keep])
     state.anchor_positions = state.anchor_positions[keep]
     state.cache_mask = state.cache_mask[keep]

@@ -87,6 +87,13 @@ class DraftKVCache:
         if self.positions is not None:
             self.positions = self.positions[:, :num_context_rows]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keeps only the given batch rows (``[R]`` int64 indices), e.g. when finished rows leave the batch."""
+        self.keys = [None if keys is None else keys[rows] for keys in self.keys]
+        self.values = [None if values is None else values[rows] for values in self.values]
+        if self.positions is not None:
+            self.positions = self.positions[rows]
+
 
 def block_attention_mask(
     context_positions: torch.Tensor, anchor_positions: torch.Tensor, block_size: int
