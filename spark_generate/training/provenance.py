@@ -1,0 +1,63 @@
+"""Provenance: what a checkpoint was trained from, written as JSON beside every checkpoint.
+
+It records the target (its Hub id and revision, or a SHA-256 of its weights when it was built or
+loaded from local files), the data, the git commit of this package, the versions of the libraries
+that shape the numbers, the command line, the training settings and the loss divergences chosen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+__all__ = ["git_commit", "package_versions", "target_identity"]
+
+_PACKAGES = ("spark_generate", "torch", "transformers", "accelerate", "safetensors")
+
+
+def target_identity(target: PreTrainedModel) -> dict[str, Any]:
+    """The target's Hub id and revision, plus a SHA-256 over its parameters (in state-dict order)."""
+    digest = hashlib.sha256()
+    for name, tensor in target.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {
+        "name_or_path": target.config.name_or_path or None,
+        "revision": getattr(target.config, "_commit_hash", None),
+        "architecture": type(target).__name__,
+        "weights_sha256": digest.hexdigest(),
+    }
+
+
+def git_commit() -> str | None:
+    """The commit of the source tree this package runs from, or None outside a git checkout."""
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages that shape training, and of Python."""
+    versions: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

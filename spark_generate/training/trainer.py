@@ -1,0 +1,386 @@
+"""Training a DSpark head against a frozen target, in one process or many (Accelerate).
+
+One optimizer step reads, top to bottom::
+
+    for each of `gradient_accumulation_steps` micro-batches:
+        batch   = dataset.batch(dataset.batch_indices(micro_step, ...))   # order = f(seed, epoch)
+        anchors = sample_anchors(batch.loss_mask, num_anchors, rng(seed, process, micro_step))
+        target  : frozen forward; tap-layer features and the final hidden state, captured on the fly
+        blocks  = block_targets(...)                                     # inputs, labels, prefix masks
+        head    : one parallel pass over all blocks, Markov + confidence teacher-forced
+        loss    = dspark_loss(...) / gradient_accumulation_steps ; backward
+    clip gradients ; AdamW step ; warmup + cosine schedule step
+
+The target runs inside the trainer (no hidden-state cache on disk); its logits are computed with its
+frozen LM head only at the positions that supervise a slot. Trainable: ``fc``, ``hidden_norm``, the
+draft layers, the final ``norm``, the Markov and confidence heads; the target, its embedding and
+LM head (and a reduced-vocabulary copy of it) stay frozen.
+
+Every random choice is a pure function of ``(seed, process, step)``: the batch order and the
+anchors. A checkpoint therefore needs only the head, the optimizer, the scheduler and the step to
+resume bit for bit. Checkpoints are written to a temporary folder and renamed into place, so a
+crash never leaves a partial ``checkpoint-*`` folder; each carries ``provenance.json``.
+The same script runs unchanged under ``accelerate launch`` (the head is wrapped for DDP; each
+process takes its own shard of every batch order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from spark_generate.cache import FeatureTap
+from spark_generate.heads import DSparkHead
+from spark_generate.training.anchors import AnchorBatch, block_targets, sample_anchors
+from spark_generate.training.data import TokenBatch, TokenDataset
+from spark_generate.training.losses import DIVERGENCE_CHOICES, LossTerms, LossWeights, dspark_loss
+from spark_generate.training.metrics import TeacherForcedMetrics, teacher_forced_metrics
+from spark_generate.training.provenance import git_commit, package_versions, target_identity
+
+__all__ = ["BlockModel", "TrainResult", "Trainer", "TrainingConfig", "teacher_forced_step"]
+
+TRAINER_STATE = "trainer_state.pt"
+PROVENANCE = "provenance.json"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Settings of a training run; the defaults follow DeepSpec's recipe (dspark_spec §4.3).
+
+    Attributes:
+        output_dir: Where ``checkpoint-{step}`` folders go.
+        num_steps: Optimizer steps.
+        batch_size: Documents per micro-batch and process.
+        gradient_accumulation_steps: Micro-batches per optimizer step.
+        learning_rate: Peak AdamW learning rate.
+        warmup_ratio: Fraction of the steps with a linear warmup; a cosine decay to 0 follows.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: Gradient clipping norm.
+        num_anchors: Blocks per document and micro-batch.
+        mixed_precision: ``"no"`` (float32) or ``"bf16"`` (autocast, float32 master weights).
+        seed: Fixes the batch order and the anchors.
+        save_every: Write a checkpoint every this many steps (0: only at the end).
+        loss_weights: The objective's coefficients.
+        progress: Show a tqdm bar with the loss and the teacher-forced metrics.
+    """
+
+    output_dir: str
+    num_steps: int
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_anchors: int = 512
+    mixed_precision: str = "no"
+    seed: int = 0
+    save_every: int = 0
+    loss_weights: LossWeights = dataclasses.field(default_factory=LossWeights)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "batch_size", "gradient_accumulation_steps", "num_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected a positive integer.")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: expected 'no' (float32) or 'bf16'.")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :meth:`Trainer.train` returns.
+
+    Attributes:
+        checkpoint: The last checkpoint folder.
+        loss: Loss of the last optimizer step (mean over its micro-batches).
+        metrics: Teacher-forced metrics accumulated over the last optimizer step.
+    """
+
+    checkpoint: Path
+    loss: float
+    metrics: TeacherForcedMetrics
+
+
+class BlockModel(nn.Module):
+    """The head's trainable computation as one ``forward``, so DDP sees every parameter used."""
+
+    def __init__(self, head: DSparkHead):
+        super().__init__()
+        self.head = head
+
+    def forward(
+        self, block_input_ids: torch.Tensor, anchor_positions: torch.Tensor, features: torch.Tensor,
+        prev_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Blocks ``[B, N, K]`` over features ``[B, T, m·H]`` -> draft ``[B, N, S, V_d]``, confidence ``[B, N, S]``."""
+        positions = torch.arange(features.shape[1], device=features.device).expand(features.shape[0], -1)
+        backbone = self.head(block_input_ids, anchor_positions, features, context_position_ids=positions)
+        block = self.head.teacher_forced(backbone.base_logits, backbone.draft_hidden, prev_ids)
+        return block.draft_logits, block.confidence_logits
+
+
+def _target_pass(
+    target: PreTrainedModel, head: DSparkHead, batch: TokenBatch, logit_positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frozen target forward: ``[B, T, m·H]`` tap features and ``[B, N, S, V_d]`` supervising logits."""
+    device = batch.input_ids.device
+    with torch.no_grad(), FeatureTap(target, list(head.config.target_layer_ids), device) as tap:
+        hidden = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        features = tap.take()
+        last = hidden.last_hidden_state
+        flat = logit_positions.reshape(last.shape[0], -1)
+        picked = last.gather(1, flat[..., None].expand(-1, -1, last.shape[-1]))
+        logits = target.get_output_embeddings()(picked).float().view(*logit_positions.shape, -1)
+        softcap = head.config.final_logit_softcapping
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if head.has_reduced_vocab:
+            logits = logits[..., head.t2d]
+    return features, logits
+
+
+def teacher_forced_step(
+    model: nn.Module,
+    target: PreTrainedModel,
+    head: DSparkHead,
+    batch: TokenBatch,
+    anchors: AnchorBatch,
+    weights: LossWeights,
+) -> tuple[LossTerms, TeacherForcedMetrics]:
+    """Loss and metrics of one batch of documents, teacher-forced (training and evaluation).
+
+    Args:
+        model: The head's block computation (the head wrapped by :class:`Trainer`, possibly DDP).
+        target: The frozen target.
+        head: The (unwrapped) head, for its config and vocabulary maps.
+        batch: Documents.
+        anchors: From :func:`sample_anchors`.
+        weights: The objective's coefficients.
+    """
+    config = head.config
+    blocks = block_targets(
+        batch.input_ids,
+        batch.loss_mask,
+        anchors,
+        block_size=config.block_size,
+        num_draft_tokens=config.num_draft_tokens,
+        mask_token_id=config.mask_token_id,
+    )
+    features, target_logits = _target_pass(target, head, batch, blocks.logit_positions)
+    draft_logits, confidence_logits = model(blocks.block_input_ids, anchors.positions, features, blocks.prev_ids)
+    labels = head.target_to_draft_ids(blocks.label_ids)
+    terms = dspark_loss(draft_logits, confidence_logits, target_logits, labels, blocks.slot_mask, weights)
+    metrics = teacher_forced_metrics(
+        terms.acceptance, draft_logits, target_logits, confidence_logits, blocks.slot_mask
+    )
+    return terms, metrics
+
+
+def anchor_generator(seed: int, process_index: int, micro_step: int) -> torch.Generator:
+    """The CPU generator that draws the anchors of one micro-batch of one process."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + process_index) * 1_000_033 + micro_step) % 2**63)
+
+
+def _schedule(num_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    """Learning-rate factor of each step: linear warmup, then cosine decay to 0."""
+    warmup = max(1, round(num_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, num_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+class Trainer:
+    """Trains a head attached to a frozen target on tokenized documents.
+
+    Args:
+        head: The head to train (attached to ``target`` here; its weights change in place).
+        target: The target; frozen and put in eval mode.
+        dataset: Training documents, tokenized with the target's tokenizer.
+        config: Training settings.
+        accelerator: Default: a new ``Accelerator`` (which reads ``accelerate launch`` settings).
+
+    Raises:
+        DSparkConfigError: If the head does not fit the target.
+        ValueError: If the data holds ids outside the target's vocabulary, or ``output_dir`` is
+            not writable.
+    """
+
+    def __init__(
+        self,
+        head: DSparkHead,
+        target: PreTrainedModel,
+        dataset: TokenDataset,
+        config: TrainingConfig,
+        accelerator: Accelerator | None = None,
+    ):
+        head.attach(target)
+        dataset.check_vocab(head.config.target_vocab_size)
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.output_dir / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as error:
+            raise ValueError(
+                f"output_dir={str(self.output_dir)!r} is not a writable folder ({error.strerror}); "
+                "choose a folder you can write to."
+            ) from error
+        self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
+        self.head = head
+        self.target = target.requires_grad_(False).eval()
+        if getattr(target, "hf_device_map", None) is None:  # a target split by device_map stays where it is
+            self.target.to(self.accelerator.device)
+        self.dataset = dataset
+        head.train()
+        trainable = [parameter for parameter in head.parameters() if parameter.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config.num_steps, config.warmup_ratio))
+        self.model, self.optimizer = self.accelerator.prepare(BlockModel(head), optimizer)
+        self.trainable = trainable
+        self._target_identity = target_identity(target)
+
+    def train(self, resume_from: str | os.PathLike | None = None, stop_after: int | None = None) -> TrainResult:
+        """Runs the optimizer steps, from scratch or from a checkpoint.
+
+        Args:
+            resume_from: A ``checkpoint-*`` folder written by this trainer.
+            stop_after: Stop (with a checkpoint) after this many steps in total, e.g. to split a run.
+
+        Returns:
+            The last checkpoint and the last step's loss and metrics.
+        """
+        config, accelerator = self.config, self.accelerator
+        step = 0 if resume_from is None else self._load(Path(resume_from))
+        last_step = config.num_steps if stop_after is None else min(stop_after, config.num_steps)
+        progress = tqdm(
+            total=config.num_steps, initial=step, disable=not (config.progress and accelerator.is_main_process)
+        )
+        checkpoint, loss, metrics = None, float("nan"), None
+        while step < last_step:
+            loss, metrics = self._optimizer_step(step)
+            step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.3f}", tau=f"{metrics.tau:.2f}", acc0=f"{metrics.acceptance[0]:.2f}")
+            if step == last_step or (config.save_every and step % config.save_every == 0):
+                checkpoint = self.save(step, metrics)
+        progress.close()
+        if checkpoint is None:
+            raise ValueError(f"nothing to train: the run is already at step {step} of {config.num_steps}.")
+        return TrainResult(checkpoint, loss, metrics)
+
+    def _optimizer_step(self, step: int) -> tuple[float, TeacherForcedMetrics]:
+        config, accelerator = self.config, self.accelerator
+        accumulation = config.gradient_accumulation_steps
+        total, metrics = 0.0, None
+        for micro in range(accumulation):
+            micro_step = step * accumulation + micro
+            indices = self.dataset.batch_indices(
+                micro_step, config.batch_size, config.seed, accelerator.process_index, accelerator.num_processes
+            )
+            batch = self.dataset.batch(indices).to(accelerator.device)
+            generator = anchor_generator(config.seed, accelerator.process_index, micro_step)
+            anchors = sample_anchors(batch.loss_mask, config.num_anchors, generator)
+            sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(self.model)
+            with sync, accelerator.autocast():
+                terms, batch_metrics = teacher_forced_step(
+                    self.model, self.target, self.head, batch, anchors, config.loss_weights
+                )
+                accelerator.backward(terms.total / accumulation)
+            total += float(terms.total.detach()) / accumulation
+            metrics = batch_metrics if metrics is None else metrics + batch_metrics
+        accelerator.clip_grad_norm_(self.trainable, config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, metrics
+
+    # -------------------------------------------------------------------------------- checkpoints
+
+    def save(self, step: int, metrics: TeacherForcedMetrics | None = None) -> Path:
+        """Writes ``checkpoint-{step}`` atomically (a temporary folder renamed into place).
+
+        It holds the head (speculators format, with a model card), ``trainer_state.pt``
+        (optimizer, scheduler, step) and ``provenance.json``.
+        """
+        final = self.output_dir / f"checkpoint-{step:07d}"
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            temporary = self.output_dir / f".tmp-checkpoint-{step:07d}-{os.getpid()}"
+            shutil.rmtree(temporary, ignore_errors=True)
+            try:
+                self.head.save_pretrained(temporary)
+                state = {
+                    "step": step,
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                }
+                torch.save(state, temporary / TRAINER_STATE)
+                provenance = self._provenance(step, metrics)
+                (temporary / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(temporary, final)
+            finally:
+                shutil.rmtree(temporary, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _provenance(self, step: int, metrics: TeacherForcedMetrics | None) -> dict:
+        return {
+            "step": step,
+            "target": self._target_identity,
+            "data": {"description": self.dataset.description, "num_sequences": len(self.dataset)},
+            "git_commit": git_commit(),
+            "packages": package_versions(),
+            "argv": list(sys.argv),
+            "num_processes": self.accelerator.num_processes,
+            "training": dataclasses.asdict(self.config),
+            "loss_divergences": DIVERGENCE_CHOICES,
+            "teacher_forced_metrics": None if metrics is None else metrics.as_dict(),
+        }
+
+    def _load(self, checkpoint: Path) -> int:
+        """Restores the head, optimizer and scheduler from a checkpoint; returns its step."""
+        loaded = DSparkHead.from_pretrained(checkpoint)
+        ignored = ("dtype", "transformers_version")  # set when saving
+        saved = {key: value for key, value in loaded.config.to_dict().items() if key not in ignored}
+        if saved != {key: value for key, value in self.head.config.to_dict().items() if key not in ignored}:
+            raise ValueError(
+                f"{checkpoint} holds a head with another configuration than the one being trained; "
+                "resume with the same head settings, or start a new run."
+            )
+        try:
+            state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
+            step = int(state["step"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except Exception as error:
+            raise ValueError(
+                f"{checkpoint / TRAINER_STATE} is missing or corrupt ({error!r}); expected the trainer state "
+                "written with the checkpoint. Resume from another checkpoint."
+            ) from error
+        with torch.no_grad():
+            for name, tensor in loaded.state_dict().items():
+                self.head.state_dict()[name].copy_(tensor)
+        return step

@@ -1,0 +1,81 @@
+"""STS calibration: the fit on synthetic miscalibrated confidences, and end to end with real decoding.
+
+Synthetic: prefix survivals drawn from ``σ(z / 3)`` per position make raw logits ``z`` overconfident
+by a temperature of 3; STS must find temperatures near 3 and lower the ECE. End to end: a tiny
+random target and a head whose confidence logits are scaled up (deliberately overconfident) are
+calibrated on real speculative decoding, and the JSON is read back by ``load_calibration``.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from spark_generate.heads import DSparkHead
+from spark_generate.schedule import load_calibration
+from spark_generate.training.calibration import (
+    CalibrationData,
+    collect_calibration_data,
+    expected_calibration_error,
+    fit_sts,
+    plot_reliability,
+)
+
+
+def test_ece_by_hand():
+    probabilities = torch.tensor([0.1, 0.1, 0.9, 0.9], dtype=torch.float64)
+    outcomes = torch.tensor([0, 0, 1, 0])
+    # Bin of 0.1: predicted 0.1, observed 0 -> 0.1 * 2/4; bin of 0.9: 0.9 vs 0.5 -> 0.4 * 2/4.
+    assert expected_calibration_error(probabilities, outcomes) == pytest.approx(0.25)
+
+
+def synthetic(num_steps: int, temperature: float, seed: int) -> CalibrationData:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_steps, 4, generator=generator, dtype=torch.float64) * 4 + 2
+    accepted = torch.rand(num_steps, 4, generator=generator, dtype=torch.float64) < torch.sigmoid(logits / temperature)
+    num_accepted = accepted.long().cumprod(dim=-1).sum(-1)
+    return CalibrationData(logits, num_accepted)
+
+
+def test_sts_recovers_the_temperature_of_overconfident_logits():
+    result = fit_sts(synthetic(20_000, temperature=3.0, seed=0))
+    assert (result.ece_after < result.ece_before).all()
+    assert result.ece_after.max() < 0.03 < result.ece_before.min()
+    torch.testing.assert_close(result.temperatures, torch.full((4,), 3.0, dtype=torch.float64), rtol=0.2, atol=0)
+    held_out = synthetic(20_000, temperature=3.0, seed=1)
+    cumulative = torch.sigmoid(held_out.confidence_logits / result.temperatures).cumprod(-1)
+    raw = torch.sigmoid(held_out.confidence_logits).cumprod(-1)
+    for k in range(4):
+        after = expected_calibration_error(cumulative[:, k], held_out.survived[:, k])
+        assert after < expected_calibration_error(raw[:, k], held_out.survived[:, k])
+
+
+def test_no_steps_is_a_clear_error():
+    with pytest.raises(ValueError, match="no speculative steps"):
+        fit_sts(CalibrationData(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.long)))
+
+
+def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tmp_path):
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    torch.manual_seed(1)
+    head = DSparkHead.from_target(target, num_draft_layers=1, markov_rank=4, block_size=3, mask_token_id=0).eval()
+    with torch.no_grad():  # deliberately overconfident: logits around +6 for drafts that often fail
+        head.confidence_head.proj.weight.mul_(20)
+        head.confidence_head.proj.bias.fill_(6.0)
+    prompts = [torch.randint(2, 32, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(6)]
+    data = collect_calibration_data(head, target, prompts, max_new_tokens=40)
+    assert data.confidence_logits.shape[1] == 3 and len(data.num_accepted) > 30
+    result = fit_sts(data)
+    assert result.ece_after.mean() < result.ece_before.mean()
+    path = tmp_path / "sts.json"
+    result.save(path, num_steps=len(data.num_accepted))
+    torch.testing.assert_close(load_calibration(path), result.temperatures.float())
+    assert set(json.loads(path.read_text())) >= {"temperatures", "ece_before", "ece_after"}
+    plot_reliability(data, result, tmp_path / "reliability.png")
+    assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"

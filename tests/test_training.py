@@ -1,0 +1,199 @@
+"""The trainer on a tiny random Llama target: what trains, exact resume, checkpoints and bad input.
+
+Everything runs in float32 on the CPU in a few seconds; resuming is checked bit for bit (the batch
+order and the anchors are functions of the seed and the step, the optimizer and scheduler states
+are saved).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import spark_generate.training.trainer as trainer_module
+from spark_generate.config import DSparkConfigError
+from spark_generate.heads import DSparkHead
+from spark_generate.training import (
+    TokenDataset,
+    Trainer,
+    TrainingConfig,
+    draft_vocab_from_data,
+    read_jsonl,
+    write_jsonl,
+)
+
+VOCAB = 96
+
+
+def tiny_target(num_layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_head(target, **overrides) -> DSparkHead:
+    torch.manual_seed(1)
+    return DSparkHead.from_target(target, **{"num_draft_layers": 1, "markov_rank": 8, "block_size": 3, **overrides})
+
+
+def dataset(num_sequences: int = 6) -> TokenDataset:
+    generator = torch.Generator().manual_seed(2)
+    sequences, masks = [], []
+    for index in range(num_sequences):
+        length = 12 + 3 * index
+        sequences.append(tuple(torch.randint(2, VOCAB, (length,), generator=generator).tolist()))
+        masks.append(tuple([0] * 4 + [1] * (length - 4)))
+    return TokenDataset(tuple(sequences), tuple(masks), "random test documents")
+
+
+def settings(tmp_path, **overrides) -> TrainingConfig:
+    fields = {"num_steps": 4, "batch_size": 2, "gradient_accumulation_steps": 2, "num_anchors": 6, "progress": False}
+    return TrainingConfig(str(tmp_path), **{**fields, **overrides})
+
+
+def test_only_the_head_trains(tmp_path):
+    target = tiny_target()
+    before = {name: value.clone() for name, value in target.state_dict().items()}
+    head = tiny_head(target)
+    head_before = {name: value.clone() for name, value in head.state_dict().items()}
+    Trainer(head, target, dataset(), settings(tmp_path, num_steps=2)).train()
+    assert all(torch.equal(before[name], value) for name, value in target.state_dict().items())
+    changed = {name for name, value in head.state_dict().items() if not torch.equal(head_before[name], value)}
+    prefixes = ("fc.", "hidden_norm.", "layers.0.", "norm.", "markov_head.", "confidence_head.")
+    assert all(name.startswith(prefixes) for name in changed)
+    assert {name.split(".")[0] for name in changed} >= {"fc", "layers", "markov_head", "confidence_head"}
+
+
+def test_resume_reaches_bit_identical_weights(tmp_path):
+    straight_target = tiny_target()
+    straight = tiny_head(straight_target)
+    Trainer(straight, straight_target, dataset(), settings(tmp_path / "straight")).train()
+
+    target = tiny_target()
+    first = tiny_head(target)
+    half = Trainer(first, target, dataset(), settings(tmp_path / "split")).train(stop_after=2)
+    assert half.checkpoint.name == "checkpoint-0000002"
+    resumed = tiny_head(target)  # fresh weights, overwritten by the checkpoint
+    Trainer(resumed, target, dataset(), settings(tmp_path / "split")).train(resume_from=half.checkpoint)
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
+    target = tiny_target()
+    result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=2, save_every=1)).train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000001", "checkpoint-0000002"]
+    assert sorted(p.name for p in result.checkpoint.iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "provenance.json", "trainer_state.pt",
+    ]  # fmt: skip
+    provenance = json.loads((result.checkpoint / "provenance.json").read_text())
+    assert provenance["step"] == 2
+    assert len(provenance["target"]["weights_sha256"]) == 64
+    assert provenance["data"] == {"description": "random test documents", "num_sequences": 6}
+    assert provenance["loss_divergences"]["distribution_term"].startswith("l1")
+    assert {"torch", "transformers", "accelerate"} <= set(provenance["packages"])
+    assert provenance["training"]["learning_rate"] == 6e-4 and "argv" in provenance and "git_commit" in provenance
+    assert set(provenance["teacher_forced_metrics"]) == {"tau", "acceptance", "greedy_accuracy", "confidence_error"}
+    loaded = DSparkHead.from_pretrained(result.checkpoint)
+    assert loaded.config.block_size == 3
+
+
+def test_failed_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    target = tiny_target()
+    trainer = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=1))
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer_module.torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state; a test that changes its precision resets it around itself."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_and_a_reduced_draft_vocabulary_train(tmp_path, fresh_accelerate_state):
+    target = tiny_target()
+    head = tiny_head(target, draft_vocab_size=40)
+    result = Trainer(head, target, dataset(), settings(tmp_path, num_steps=1, mixed_precision="bf16")).train()
+    assert torch.isfinite(torch.tensor(result.loss))
+    assert result.metrics.slot_count[0] > 0
+
+
+def test_jsonl_round_trip_and_bad_lines(tmp_path):
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path, [[5, 6, 7]], [[0, 1, 1]])
+    data = read_jsonl(path)
+    assert data.sequences == ((5, 6, 7),) and data.loss_masks == ((0, 1, 1),)
+    assert str(path) in data.description and "sha256" in data.description
+    path.write_text('{"input_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match=r"data.jsonl:1 .*loss_mask"):
+        read_jsonl(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match="holds no sequences"):
+        read_jsonl(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_data_of_another_tokenizer_is_refused(tmp_path):
+    target = tiny_target()
+    foreign = TokenDataset(((5, 6, VOCAB + 10),), ((0, 1, 1),), "foreign.jsonl")
+    with pytest.raises(ValueError, match=r"foreign.jsonl .*another model"):
+        Trainer(tiny_head(target), target, foreign, settings(tmp_path))
+
+
+def test_head_of_another_target_is_refused(tmp_path):
+    head = tiny_head(tiny_target(num_layers=4))
+    with pytest.raises(DSparkConfigError):
+        Trainer(head, tiny_target(num_layers=6), dataset(), settings(tmp_path))
+
+
+def test_unwritable_output_folder_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    target = tiny_target()
+    with pytest.raises(ValueError, match="not a writable folder"):
+        Trainer(tiny_head(target), target, dataset(), settings(blocker / "out"))
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    target = tiny_target()
+    result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path / "run", num_steps=2)).train(stop_after=1)
+    state = result.checkpoint / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    trainer = Trainer(tiny_head(target), target, dataset(), settings(tmp_path / "run", num_steps=2))
+    with pytest.raises(ValueError, match=r"trainer_state\.pt is missing or corrupt"):
+        trainer.train(resume_from=result.checkpoint)
+    os.remove(result.checkpoint / "model.safetensors")
+    with pytest.raises(Exception, match=r"model\.safetensors|weights"):
+        trainer.train(resume_from=result.checkpoint)
+
+
+def test_invalid_settings_say_what_was_expected(tmp_path):
+    with pytest.raises(ValueError, match="num_anchors=0: expected a positive integer"):
+        settings(tmp_path, num_anchors=0)
+    with pytest.raises(ValueError, match="mixed_precision='fp16'"):
+        settings(tmp_path, mixed_precision="fp16")
+
+
+def test_draft_vocabulary_takes_the_most_frequent_learned_tokens():
+    data = TokenDataset(((7, 5, 5, 9, 9, 9), (3, 3, 3, 3, 5, 2)), ((0, 1, 1, 1, 1, 1), (1, 1, 1, 1, 0, 0)), "counts")
+    # Loss-masked counts: 9 x3, 3 x4, 5 x2; 7 and 2 are unmasked. Ties and padding: lowest ids.
+    assert draft_vocab_from_data(data, 3, VOCAB).tolist() == [3, 5, 9]
+    assert draft_vocab_from_data(data, 5, VOCAB).tolist() == [0, 1, 3, 5, 9]
+    with pytest.raises(ValueError, match="expected 1 to 96"):
+        draft_vocab_from_data(data, 0, VOCAB)
