@@ -1,4 +1,4 @@
-"""The ``spark-generate`` command line: regenerate data, train, calibrate and evaluate a head.
+"""The ``spark-generate`` command line: regenerate data, train, calibrate, evaluate, card and convert a head.
 
 Every subcommand loads the target with ``AutoModelForCausalLM`` / ``AutoTokenizer`` from a local
 folder or a Hub id (read from the cache when offline) and ends with a one-line summary::
@@ -7,6 +7,8 @@ folder or a Hub id (read from the cache when offline) and ends with a one-line s
     spark-generate train      --target T --data data.jsonl --output-dir runs/head
     spark-generate calibrate  --target T --head runs/head/checkpoint-0001000 --prompts held.txt --output sts.json
     spark-generate eval       --target T --head runs/head/checkpoint-0001000 --prompts chat.txt --output eval.json
+    spark-generate card       --head runs/head/checkpoint-0001000 --eval eval.json --calibration sts.json
+    spark-generate convert    --head deepseek-dspark-folder --output head-speculators --to speculators
 
 ``train`` runs unchanged under ``accelerate launch``. Each option is explained by ``--help``.
 """
@@ -109,7 +111,8 @@ def _calibrate(args: argparse.Namespace) -> str:
         plot_reliability(data, result, args.plot)
     return (
         f"calibrate: {len(data.num_accepted)} steps, mean ECE {result.ece_before.mean():.4f} -> "
-        f"{result.ece_after.mean():.4f}, temperatures in {args.output}"
+        f"{result.ece_after.mean():.4f}, mean Brier {result.brier_before.mean():.4f} -> "
+        f"{result.brier_after.mean():.4f}, temperatures in {args.output}"
     )
 
 
@@ -143,6 +146,79 @@ def _evaluate(args: argparse.Namespace) -> str:
         f"{name} tau {report.online.tau:.2f} ({report.speedup:.2f}x)" for name, report in reports.items()
     )
     return f"eval: {summary}; details in {args.output}"
+
+
+def _flatten(record: dict, prefix: str = "") -> dict[str, str]:
+    """Nested JSON as ``{"a.b": "value"}`` rows for a model-card table."""
+    rows = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows.update(_flatten(value, f"{name}."))
+        elif value is not None:
+            rows[name] = json.dumps(value) if isinstance(value, list) else str(value)
+    return rows
+
+
+def _card(args: argparse.Namespace) -> str:
+    head = DSparkHead.from_pretrained(args.head)
+    provenance_path = Path(args.provenance) if args.provenance else Path(args.head) / "provenance.json"
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.is_file() else None
+    training = None
+    if provenance is not None:
+        data = provenance.get("data", {})
+        steps = provenance.get("step")
+        training = (
+            f"Trained with spark_generate for {steps} steps on {data.get('description', 'unrecorded data')} "
+            f"({data.get('num_sequences', '?')} sequences), with the frozen target computing hidden states on "
+            "the fly; full provenance below."
+        )
+    results: dict[str, object] = {}
+    if args.eval:
+        for domain, report in json.loads(Path(args.eval).read_text()).items():
+            results[f"tau, {domain}"] = f"{report['tau']:.2f}"
+            results[f"speed-up vs plain generate(), {domain}"] = f"{report['speedup']:.2f}x"
+            acceptance = " / ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
+            results[f"acceptance by position, {domain}"] = acceptance
+    if args.calibration:
+        from spark_generate.schedule import load_calibration
+
+        temperatures = load_calibration(args.calibration)
+        results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in temperatures)
+    card = head.model_card(
+        model_id=args.model_id, license=args.license, datasets=args.datasets, training=training,
+        provenance=None if provenance is None else _flatten(provenance), results=results or None,
+    )  # fmt: skip
+    output = Path(args.output) if args.output else Path(args.head) / "README.md"
+    card.save(output)
+    source = f"from {provenance_path}" if provenance is not None else "none found"
+    return f"card: {output} ({len(results)} results, provenance {source})"
+
+
+def _convert(args: argparse.Namespace) -> str:
+    from spark_generate.heads.formats import write_deepspec
+
+    head = DSparkHead.from_pretrained(args.head, sample_from_anchor=args.sample_from_anchor)
+    output = Path(args.output)
+    if args.to == "deepspec":
+        if not args.target:
+            raise ValueError("DeepSpec's format stores copies of the target's embedding and LM head: pass --target.")
+        target = _load_target(args.target, args.dtype)
+        head.attach(target)
+        write_deepspec(head, target.get_input_embeddings().weight, target.get_output_embeddings().weight, output)
+    else:
+        if args.target:
+            head.attach(_load_target(args.target, args.dtype))
+        head.save_pretrained(
+            output, model_card=head.model_card(training=f"Converted from the checkpoint {args.head}.")
+        )
+    return f"convert: {args.head} -> {output} ({args.to} format)"
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false; got {text!r}")
+    return text.lower() == "true"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +297,41 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--plot", help="PNG of acceptance curves and tau per domain")
     _add_decoding(evaluate, 128)
     evaluate.set_defaults(run=_evaluate)
+
+    card = commands.add_parser(
+        "card", help="render a head's model card from its provenance, evaluation and calibration",
+        description="Writes the README.md model card of a head (Hub metadata, target, architecture, training "
+        "data and provenance, measured results) from the trainer's provenance.json and the JSON of `eval` and "
+        "`calibrate`.",
+    )  # fmt: skip
+    card.add_argument("--head", required=True, help="the head folder")
+    card.add_argument("--provenance", help="provenance JSON (default: HEAD/provenance.json when present)")
+    card.add_argument("--eval", help="JSON report of `spark-generate eval`")
+    card.add_argument("--calibration", help="calibration JSON of `spark-generate calibrate`")
+    card.add_argument("--model-id", help="the head's Hub id, used in the usage snippet")
+    card.add_argument("--license", help="licence id (match the target's terms)")
+    card.add_argument("--datasets", nargs="+", help="Hub ids of the training datasets")
+    card.add_argument("--output", help="card file to write (default: HEAD/README.md)")
+    card.set_defaults(run=_card)
+
+    convert = commands.add_parser(
+        "convert", help="move a head between the speculators and DeepSpec formats",
+        description="Reads a head in either format and writes it in the speculators 'dspark' format (what "
+        "vLLM serves) or in DeepSpec's format (full vocabulary, anchor-first; needs the target for its "
+        "embedding and LM head copies).",
+    )  # fmt: skip
+    convert.add_argument("--head", required=True, help="the head to read (folder or Hub id, either format)")
+    convert.add_argument("--output", required=True, help="folder to write")
+    convert.add_argument("--to", required=True, choices=["speculators", "deepspec"], help="format to write")
+    convert.add_argument("--target", help="target model (folder or Hub id); required for --to deepspec")
+    convert.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype to load the target in"
+    )
+    convert.add_argument(
+        "--sample-from-anchor", type=_boolean, default=None,
+        help="override the slot convention of the checkpoint read (true/false); default: read or inferred",
+    )  # fmt: skip
+    convert.set_defaults(run=_convert)
     return parser
 
 

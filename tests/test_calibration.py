@@ -16,6 +16,7 @@ from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
 from spark_generate.training.calibration import (
     CalibrationData,
+    brier_score,
     collect_calibration_data,
     expected_calibration_error,
     fit_sts,
@@ -30,6 +31,13 @@ def test_ece_by_hand():
     assert expected_calibration_error(probabilities, outcomes) == pytest.approx(0.25)
 
 
+def test_brier_by_hand():
+    probabilities = torch.tensor([[0.9, 0.5], [0.2, 0.5]])
+    outcomes = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    expected = torch.tensor([(0.01 + 0.04) / 2, (0.25 + 0.25) / 2], dtype=torch.float64)
+    torch.testing.assert_close(brier_score(probabilities, outcomes), expected)
+
+
 def synthetic(num_steps: int, temperature: float, seed: int) -> CalibrationData:
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_steps, 4, generator=generator, dtype=torch.float64) * 4 + 2
@@ -42,6 +50,7 @@ def test_sts_recovers_the_temperature_of_overconfident_logits():
     result = fit_sts(synthetic(20_000, temperature=3.0, seed=0))
     assert (result.ece_after < result.ece_before).all()
     assert result.ece_after.max() < 0.03 < result.ece_before.min()
+    assert (result.brier_after < result.brier_before).all()
     torch.testing.assert_close(result.temperatures, torch.full((4,), 3.0, dtype=torch.float64), rtol=0.2, atol=0)
     held_out = synthetic(20_000, temperature=3.0, seed=1)
     cumulative = torch.sigmoid(held_out.confidence_logits / result.temperatures).cumprod(-1)
@@ -76,6 +85,6 @@ def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tm
     path = tmp_path / "sts.json"
     result.save(path, num_steps=len(data.num_accepted))
     torch.testing.assert_close(load_calibration(path), result.temperatures.float())
-    assert set(json.loads(path.read_text())) >= {"temperatures", "ece_before", "ece_after"}
+    assert set(json.loads(path.read_text())) >= {"temperatures", "ece_before", "ece_after", "brier_before"}
     plot_reliability(data, result, tmp_path / "reliability.png")
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,8 +1,9 @@
 """The ``spark-generate`` command line end to end on a tiny random target saved to a folder.
 
-regenerate -> train (a few steps, reduced draft vocabulary) -> calibrate -> eval, each through
-:func:`spark_generate.cli.main`, plus ``--help`` for every subcommand and a clear error on an
-empty prompt file. Nothing touches the Hub.
+regenerate -> train (a few steps, reduced draft vocabulary) -> calibrate -> eval -> card, each
+through :func:`spark_generate.cli.main`; convert between the speculators and DeepSpec formats and
+back with identical weights and draft logits; ``--help`` for every subcommand and clear errors.
+Nothing touches the Hub.
 """
 
 import json
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from spark_generate.cli import build_parser, main
+from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
 
 WORDS = [
@@ -44,7 +46,7 @@ def target_folder(tmp_path_factory):
 def test_every_subcommand_explains_every_option(capsys):
     parser = build_parser()
     commands = next(action for action in parser._actions if action.dest == "command").choices
-    assert set(commands) == {"regenerate", "train", "calibrate", "eval"}
+    assert set(commands) == {"regenerate", "train", "calibrate", "eval", "card", "convert"}
     for name, subparser in commands.items():
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
@@ -87,6 +89,57 @@ def test_end_to_end(tmp_path, target_folder, capsys):
     domain = json.loads(report.read_text())["prompts"]
     assert domain["tau"] >= 1 and len(domain["acceptance_by_position"]) == 3 and domain["speedup"] > 0
     assert (tmp_path / "eval.png").exists()
+
+    assert main(["card", "--head", str(checkpoint), "--eval", str(report), "--calibration", str(sts),
+                 "--model-id", "org/tiny-dspark", "--license", "apache-2.0"]) == 0  # fmt: skip
+    assert "provenance from" in capsys.readouterr().out
+    card = (checkpoint / "README.md").read_text()
+    assert "library_name: spark_generate" in card and "base_model:" in card and "org/tiny-dspark" in card
+    assert f"| tau, prompts | {domain['tau']:.2f} |" in card
+    assert "STS temperatures" in card and "Trained with spark_generate for 3 steps" in card
+    assert "| git_commit |" in card or "| packages.torch |" in card
+
+
+def test_convert_round_trips_between_the_speculators_and_deepspec_formats(tmp_path, target_folder, capsys):
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    torch.manual_seed(1)
+    head = DSparkHead.from_target(target, block_size=3, num_draft_layers=1, markov_rank=4)
+    head.save_pretrained(tmp_path / "native")
+    deepspec, back = tmp_path / "deepspec", tmp_path / "back"
+    assert main(["convert", "--head", str(tmp_path / "native"), "--output", str(deepspec), "--to", "deepspec",
+                 "--target", str(target_folder)]) == 0  # fmt: skip
+    assert json.loads((deepspec / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    assert main(["convert", "--head", str(deepspec), "--output", str(back), "--to", "speculators"]) == 0
+    assert "speculators format" in capsys.readouterr().out
+    reloaded = DSparkHead.from_pretrained(back)
+    assert (
+        reloaded.config.to_dict()["aux_hidden_state_layer_ids"] == head.config.to_dict()["aux_hidden_state_layer_ids"]
+    )
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    reloaded.attach(target)
+    anchors = torch.tensor([3, 5])
+    features = torch.randn(2, 4, head.fc.in_features)
+    with torch.no_grad():
+        expected = head(head.block_input_ids(anchors), torch.full((2, 1), 4), target_hidden_states=features)
+        got = reloaded(reloaded.block_input_ids(anchors), torch.full((2, 1), 4), target_hidden_states=features)
+    assert torch.equal(expected.base_logits, got.base_logits)
+
+
+def test_convert_to_deepspec_refuses_what_the_format_cannot_hold(tmp_path, target_folder, capsys):
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    head = DSparkHead.from_target(target, block_size=3, num_draft_layers=1, markov_rank=4)
+    head.save_pretrained(tmp_path / "native")
+    code = main(["convert", "--head", str(tmp_path / "native"), "--output", str(tmp_path / "x"), "--to", "deepspec"])
+    assert code == 2 and "pass --target" in capsys.readouterr().err
+    reduced = DSparkHead.from_target(
+        target, block_size=3, num_draft_layers=1, markov_rank=4, draft_vocab_ids=torch.arange(10)
+    )
+    reduced.save_pretrained(tmp_path / "reduced")
+    code = main(["convert", "--head", str(tmp_path / "reduced"), "--output", str(tmp_path / "y"), "--to", "deepspec",
+                 "--target", str(target_folder)])  # fmt: skip
+    assert code == 2 and "full-vocabulary heads only" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
 
 
 def test_an_empty_prompt_file_is_a_clear_error(tmp_path, target_folder, capsys):

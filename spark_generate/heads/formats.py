@@ -31,7 +31,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from spark_generate.config import DSparkConfig, DSparkConfigError
@@ -229,3 +229,51 @@ def validate_state_dict(loaded: dict[str, torch.Tensor], expected: dict[str, tor
             f"the weights in {folder} do not match its config.json: " + "; ".join(problems) + ". The files are "
             "from different heads or corrupt; re-download or re-save the head."
         )
+
+
+def write_deepspec(
+    head: torch.nn.Module, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, folder: Path
+) -> None:
+    """Writes a head in DeepSpec's format, the inverse of :func:`config_from_deepspec` and loading.
+
+    ``config.json`` is the draft decoder's Qwen3 config plus DeepSpec's DSpark fields (0-based
+    ``target_layer_ids``), and the weights carry full-vocabulary copies of the target's embedding
+    and LM head, as DeepSpec's ``save_pretrained`` does.
+
+    Args:
+        head: A :class:`~spark_generate.heads.DSparkHead` with the full target vocabulary.
+        embed_weight: ``[V, H]`` the target's input embedding.
+        lm_head_weight: ``[V, H]`` the target's LM head.
+        folder: Where to write ``config.json`` and ``model.safetensors``.
+
+    Raises:
+        DSparkCheckpointError: The head cannot be expressed in DeepSpec's format (a reduced draft
+            vocabulary, or the DFlash slot convention).
+    """
+    config: DSparkConfig = head.config
+    if config.draft_vocab_size != config.target_vocab_size:
+        raise DSparkCheckpointError(
+            f"this head drafts over a reduced vocabulary ({config.draft_vocab_size} of {config.target_vocab_size} "
+            "tokens), and DeepSpec's format holds full-vocabulary heads only; keep the speculators format."
+        )
+    if not config.sample_from_anchor:
+        raise DSparkCheckpointError(
+            "this head uses the DFlash slot convention (sample_from_anchor=False), and DeepSpec's format is always "
+            "anchor-first; keep the speculators format."
+        )
+    raw = config.transformer_layer_config.to_dict()
+    raw.update(
+        architectures=["Qwen3DSparkModel"], model_type="qwen3", num_hidden_layers=config.num_draft_layers,
+        num_target_layers=config.num_target_layers, block_size=config.block_size,
+        target_layer_ids=list(config.target_layer_ids), mask_token_id=config.mask_token_id,
+        markov_rank=config.markov_rank, markov_head_type=config.markov_head_type,
+        enable_confidence_head=config.enable_confidence_head,
+        confidence_head_with_markov=config.confidence_head_with_markov, tie_word_embeddings=False,
+        layer_types=["full_attention"] * config.num_draft_layers,
+    )  # fmt: skip
+    weights = {name: tensor.detach().contiguous() for name, tensor in head.state_dict().items()}
+    weights["embed_tokens.weight"] = embed_weight.detach().contiguous()
+    weights["lm_head.weight"] = lm_head_weight.detach().contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    save_file(weights, folder / WEIGHTS_NAME)

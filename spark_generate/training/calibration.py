@@ -32,6 +32,7 @@ from spark_generate.modeling import DSparkForCausalLM
 __all__ = [
     "CalibrationData",
     "CalibrationResult",
+    "brier_score",
     "collect_calibration_data",
     "expected_calibration_error",
     "fit_sts",
@@ -63,17 +64,21 @@ class CalibrationData:
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Fitted STS temperatures and the per-position ECE of the cumulative confidences.
+    """Fitted STS temperatures, and the per-position ECE and Brier score of the cumulative confidences.
 
     Attributes:
         temperatures: ``[S]`` float64.
         ece_before: ``[S]`` with all temperatures 1.
         ece_after: ``[S]`` with the fitted temperatures.
+        brier_before: ``[S]`` with all temperatures 1.
+        brier_after: ``[S]`` with the fitted temperatures.
     """
 
     temperatures: torch.Tensor
     ece_before: torch.Tensor
     ece_after: torch.Tensor
+    brier_before: torch.Tensor
+    brier_after: torch.Tensor
 
     def save(self, path: str | Path, num_steps: int) -> None:
         """Writes the JSON :func:`~spark_generate.schedule.load_calibration` reads (plus the ECEs)."""
@@ -81,6 +86,8 @@ class CalibrationResult:
             "temperatures": self.temperatures.tolist(),
             "ece_before": self.ece_before.tolist(),
             "ece_after": self.ece_after.tolist(),
+            "brier_before": self.brier_before.tolist(),
+            "brier_after": self.brier_after.tolist(),
             "num_steps": num_steps,
             "method": f"sequential temperature scaling of cumulative confidences, {NUM_BINS}-bin ECE",
         }
@@ -98,6 +105,19 @@ def expected_calibration_error(probabilities: torch.Tensor, outcomes: torch.Tens
     predicted = torch.zeros(NUM_BINS, dtype=torch.float64).index_add_(0, bins, probabilities.double())
     observed = torch.zeros(NUM_BINS, dtype=torch.float64).index_add_(0, bins, outcomes.double())
     return float((predicted - observed).abs().sum() / max(len(probabilities), 1))
+
+
+def brier_score(probabilities: torch.Tensor, outcomes: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of predicted probabilities against 0/1 outcomes, per column.
+
+    Args:
+        probabilities: ``[R, S]`` predicted probabilities.
+        outcomes: ``[R, S]`` 0/1 outcomes.
+
+    Returns:
+        ``[S]`` float64 Brier scores.
+    """
+    return ((probabilities.double() - outcomes.double()) ** 2).mean(dim=0)
 
 
 def _cumulative(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -122,7 +142,9 @@ def fit_sts(data: CalibrationData) -> CalibrationResult:
         temperatures[k] = TEMPERATURE_GRID[int(torch.tensor(errors).argmin())]
     after = _cumulative(logits, temperatures)
     ece_after = torch.tensor([expected_calibration_error(after[:, k], survived[:, k]) for k in range(num_slots)])
-    return CalibrationResult(temperatures, ece_before, ece_after)
+    return CalibrationResult(
+        temperatures, ece_before, ece_after, brier_score(before, survived), brier_score(after, survived)
+    )
 
 
 class _RecordingSchedule:
