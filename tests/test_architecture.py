@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "spark_generate.modeling": 4,
     "spark_generate.hf": 4,
     "spark_generate.hub": 4,
+    "spark_generate.zoo": 4,
     "spark_generate.training": 5,
     "spark_generate.cli": 5,
     # The package root re-exports the public API of every layer.
