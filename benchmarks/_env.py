@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: provenance (hardware, versions, commit, date) and the CSV writer."""
+"""Shared by the benchmarks: the 135M-class target shape, provenance (hardware, versions, commit, date), CSV."""
 
 from __future__ import annotations
 
@@ -11,6 +11,18 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import LlamaConfig
+
+
+def smollm2_shaped_config(**overrides: object) -> LlamaConfig:
+    """A Llama config of SmolLM2-135M-Instruct's shape (random weights stand in for the real model)."""
+    fields: dict[str, object] = dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )  # fmt: skip
+    fields.update(overrides)
+    return LlamaConfig(**fields)
 
 
 def git_commit() -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from _env import write_results
+from _env import smollm2_shaped_config, write_results
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from spark_generate import DSparkForCausalLM
@@ -45,11 +45,7 @@ MODELS = {
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None,
     ),
-    "smollm2-135m-shape": LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, pad_token_id=0,
-        eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    ),
+    "smollm2-135m-shape": smollm2_shaped_config(pad_token_id=0, eos_token_id=None),
 }  # fmt: skip
 
 

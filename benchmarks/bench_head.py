@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _env import write_results
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from _env import smollm2_shaped_config, write_results
+from transformers import DynamicCache, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spark_generate.heads import DSparkHead
 
@@ -41,12 +41,7 @@ NEW_CONTEXT_ROWS = 4
 TARGETS = {
     "smollm2-135m-shape": (
         LlamaForCausalLM,
-        LlamaConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-            rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
-            pad_token_id=2, eos_token_id=2,
-        ),
+        smollm2_shaped_config(pad_token_id=2, eos_token_id=2),
     ),
     "qwen2-0.5b-shape": (
         Qwen2ForCausalLM,

@@ -19,22 +19,14 @@ import time
 from pathlib import Path
 
 import torch
-from _env import write_results
-from transformers import LlamaConfig, LlamaForCausalLM
+from _env import smollm2_shaped_config, write_results
+from transformers import LlamaForCausalLM
 
 from spark_generate.heads import DSparkHead
 from spark_generate.training import Trainer, TrainingConfig
 from spark_generate.training.data import TokenDataset
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_cpu.csv"
-
-
-def smollm2_shape() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
 
 
 def main() -> None:
@@ -49,9 +41,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    target = smollm2_shape()
+    target = LlamaForCausalLM(smollm2_shaped_config()).eval()
     head = DSparkHead.from_target(target, block_size=7, num_draft_layers=1)
-    documents = torch.randint(0, 49152, (args.batch_size * (args.steps + 1), args.sequence_length)).tolist()
+    documents = torch.randint(
+        0, target.config.vocab_size, (args.batch_size * (args.steps + 1), args.sequence_length)
+    ).tolist()
     masks = [[0] * 16 + [1] * (args.sequence_length - 16) for _ in documents]
     dataset = TokenDataset(tuple(map(tuple, documents)), tuple(map(tuple, masks)), "random tokens")
     with tempfile.TemporaryDirectory() as output_dir:
