@@ -1,24 +1,35 @@
-"""Tokens per second and tau of DSpark generation against plain ``generate()``, in the same run.
+"""The peer benchmark: SmolLM2-135M-Instruct on real prompts, every system measured in the same run.
 
-For a tiny random Llama and a random SmolLM2-135M-shaped Llama (hidden 576, 30 layers, 9 heads,
-3 KV heads, vocabulary 49,152), with an *untrained* head (1 draft layer), this runs greedy
-generation of ``--new-tokens`` tokens after random prompts of ``--prompt`` tokens, at batch sizes
-1, 4 and 16, first with plain ``target.generate()`` and then with
-``DSparkForCausalLM(target).generate(..., assistant=head)``, and records:
+Systems (same target, precision, prompts and decoding settings):
 
-* ``plain_tok_s`` / ``dspark_tok_s``: new tokens (all rows) per second, and their ratio;
-* ``tau``: mean tokens committed per speculative step (an untrained head gives about 1);
-* ``target_step_ms``: median target forward of plain decoding (one token per row);
-* ``overhead_ms_per_round``: DSpark wall time minus the time inside target forwards, per round
-  (drafting, scheduling, processors, rejection sampling, commit and cache bookkeeping), split into
-  ``draft_ms_per_round`` (the head's backbone pass, Markov steps and scheduling) and the rest,
-  ``bookkeeping_ms_per_round``;
-* ``overhead_vs_step``: that overhead as a fraction of one target decode step.
+* ``plain``: ``target.generate()``, the baseline every ratio is taken against;
+* ``prompt-lookup``: Transformers' prompt-lookup decoding (``prompt_lookup_num_tokens``; it
+  supports batch 1 only, so larger batches are skipped);
+* ``dflash``: the DFlash ablation, a head trained with the same recipe but ``markov_rank=0`` and no
+  confidence head, verifying its whole block;
+* ``dspark-fixed``: the shipped DSpark head verifying its whole block;
+* ``dspark-scheduled``: the same head with the goodput schedule (Algorithm 1) on a cost table
+  profiled here for each batch size and the shipped STS calibration.
 
-An untrained head only exercises the machinery: its drafts are rejected, so DSpark is slower than
-plain decoding here by construction; the overhead fraction is the figure to watch. Results go to
-``benchmarks/results/generate_<device>.csv`` with provenance lines at the top.
-Run: ``python benchmarks/bench_generate.py`` (add ``--models tiny-llama`` for a quick run).
+Prompts: the evaluation split of :mod:`spark_generate.prompt_sets` (HumanEval for code,
+GSM-Symbolic for math, MT-Bench first turns for chat), in the chat template, never seen in training.
+Each (domain, temperature, batch size) cell runs the same ``--prompts`` prompts through every
+system in left-padded batches, stopping at EOS or ``--max-new-tokens``, and records per system:
+
+* ``ttft_ms``: time to first token, the mean wall time of ``generate(max_new_tokens=1)`` per batch;
+* ``request_tok_s``: mean over requests of its new tokens divided by its latency;
+* ``throughput_tok_s``: all new tokens divided by all wall time (aggregate throughput);
+* ``p95_latency_s``: 95th percentile of request latency (a request returns with its batch);
+* ``tau``: tokens committed per target forward after the prefill (1 for plain decoding), and the
+  per-position acceptance of the heads;
+* ``speedup``: throughput over plain's throughput in the same cell;
+* ``identical``: under greedy decoding, how many requests match plain ``generate()`` token for token.
+
+Results: ``benchmarks/results/generate_smollm2_<device>.csv`` (with provenance lines), a markdown
+table ``.md`` and a chart ``.png`` next to it.
+
+    python benchmarks/bench_generate.py                      # the recorded run
+    python benchmarks/bench_generate.py --prompts 2 --max-new-tokens 16 --batch-sizes 1 --temperatures 0
 """
 
 from __future__ import annotations
@@ -26,138 +37,291 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
-from _env import smollm2_shaped_config, write_results
-from transformers import LlamaConfig, LlamaForCausalLM
+from _env import write_results
+from tqdm.auto import tqdm
 
-from spark_generate import DSparkForCausalLM
+from spark_generate import DSparkForCausalLM, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
+from spark_generate.schedule import FixedLength, GoodputSchedule, load_calibration, profile_costs
+from spark_generate.training.regenerate import prompt_ids
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-T = TypeVar("T")
-MODELS = {
-    "tiny-llama": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, eos_token_id=None,
-    ),
-    "smollm2-135m-shape": smollm2_shaped_config(pad_token_id=0, eos_token_id=None),
-}  # fmt: skip
+DSPARK_HEAD = ROOT / "model_cards" / "smollm2-135m-instruct-dspark"
+DFLASH_HEAD = ROOT / "runs" / "smollm2" / "dflash-export"
+SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark-scheduled")
+PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
 @dataclass(frozen=True)
 class Row:
-    """One CSV row."""
+    """One CSV row: one system in one (domain, temperature, batch size) cell."""
 
-    model: str
+    domain: str
+    temperature: float
     batch_size: int
-    block_size: int
-    prompt_length: int
+    system: str
+    requests: int
     new_tokens: int
-    plain_tok_s: float
-    dspark_tok_s: float
-    speedup: float
+    ttft_ms: float
+    request_tok_s: float
+    throughput_tok_s: float
+    p95_latency_s: float
     tau: float
-    rounds: int
-    target_step_ms: float
-    overhead_ms_per_round: float
-    draft_ms_per_round: float
-    bookkeeping_ms_per_round: float
-    overhead_vs_step: float
+    acceptance: str
+    speedup: float
+    identical: str
 
 
-class ForwardTimer:
-    """Accumulates the wall time spent inside a module's forward, by hooks."""
+@dataclass
+class Outcome:
+    """What one system produced on one cell's prompts."""
+
+    sequences: list[list[int]]
+    latencies: list[float]
+    seconds: float
+    ttft_seconds: list[float]
+    tau: float
+    acceptance: list[float]
+
+
+class ForwardCounter:
+    """Counts the target's forward passes, by a hook (tokens per forward for prompt lookup)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.durations: list[float] = []
-        self._start = 0.0
-        module.register_forward_pre_hook(self._begin)
-        module.register_forward_hook(self._end)
+        self.count = 0
+        module.register_forward_pre_hook(self._count)
 
-    def _begin(self, *args: object) -> None:
-        self._start = time.perf_counter()
-
-    def _end(self, *args: object) -> None:
-        self.durations.append(time.perf_counter() - self._start)
+    def _count(self, *args: object) -> None:
+        self.count += 1
 
 
-def fastest(generate: Callable[[], T], timer: ForwardTimer, repeats: int) -> tuple[float, list[float], T]:
-    """Runs ``generate`` ``repeats`` times; the fastest run's seconds, target forward times and output."""
-    best = None
-    for _ in range(repeats):
-        timer.durations.clear()
-        start = time.perf_counter()
-        output = generate()
-        seconds = time.perf_counter() - start
-        if best is None or seconds < best[0]:
-            best = (seconds, list(timer.durations), output)
-    return best
+def left_pad(prompts: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    lengths = torch.tensor([len(ids) for ids in prompts])
+    return {"input_ids": input_ids, "attention_mask": (torch.arange(width) >= width - lengths[:, None]).long()}
 
 
-def run(model: str, batch_size: int, args: argparse.Namespace) -> Row:
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(MODELS[model]).eval()
-    head = DSparkHead.from_target(target, num_draft_layers=1, block_size=args.block_size).eval()
-    timer = ForwardTimer(target)
-    input_ids = torch.randint(1, target.config.vocab_size, (batch_size, args.prompt))
-    kwargs = {"do_sample": False, "max_new_tokens": args.new_tokens}  # no EOS: every row runs to the end
-    wrapped = DSparkForCausalLM(target)
-    wrapped.generate(input_ids[:, :8], assistant=head, max_new_tokens=4)  # warm-up of both paths
-    target.generate(input_ids[:, :8], max_new_tokens=4)
+def answers(output: torch.Tensor, width: int, eos: int) -> list[list[int]]:
+    """New tokens of each row, cut after the first EOS."""
+    rows = []
+    for row in output[:, width:].tolist():
+        rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    return rows
 
-    plain_seconds, plain_forwards, plain = fastest(lambda: target.generate(input_ids, **kwargs), timer, args.repeats)
-    target_step = statistics.median(plain_forwards[1:])
-    dspark_seconds, dspark_forwards, out = fastest(
-        lambda: wrapped.generate(input_ids, assistant=head, return_dict_in_generate=True, **kwargs),
-        timer,
-        args.repeats,
-    )
-    assert torch.equal(out.sequences, plain), "greedy DSpark output differs from plain generate()"
-    stats = out.dspark_stats
-    rounds = int(stats.num_rounds.max())
-    overhead = (dspark_seconds - sum(dspark_forwards)) / rounds
-    draft = stats.draft_seconds / rounds
-    num_new = batch_size * args.new_tokens
-    return Row(
-        model=model, batch_size=batch_size, block_size=args.block_size, prompt_length=args.prompt,
-        new_tokens=args.new_tokens, plain_tok_s=round(num_new / plain_seconds, 1),
-        dspark_tok_s=round(num_new / dspark_seconds, 1), speedup=round(plain_seconds / dspark_seconds, 3),
-        tau=round(float(stats.tau.mean()), 3), rounds=rounds, target_step_ms=round(1000 * target_step, 2),
-        overhead_ms_per_round=round(1000 * overhead, 2), draft_ms_per_round=round(1000 * draft, 2),
-        bookkeeping_ms_per_round=round(1000 * (overhead - draft), 2),
-        overhead_vs_step=round(overhead / target_step, 3),
-    )  # fmt: skip
+
+class Bench:
+    """The target, both heads and the per-batch-size schedules, loaded once for the whole run."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.target, self.tokenizer = zoo.load("smollm2-135m-instruct")
+        self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id
+        self.model = DSparkForCausalLM(self.target)
+        self.counter = ForwardCounter(self.target)
+        self.heads = {"dspark": DSparkHead.from_pretrained(DSPARK_HEAD).attach(self.target).float().eval()}
+        if Path(args.dflash_head).is_dir():
+            self.heads["dflash"] = DSparkHead.from_pretrained(args.dflash_head).attach(self.target).float().eval()
+        self.temperatures = load_calibration(DSPARK_HEAD / "calibration.json")
+        self.schedules: dict[int, GoodputSchedule] = {}
+        self.args = args
+
+    def schedule(self, batch_size: int) -> GoodputSchedule:
+        """The goodput schedule on a cost table profiled for this batch size (profiled once)."""
+        if batch_size not in self.schedules:
+            costs = profile_costs(self.target, self.heads["dspark"], batch_size=batch_size, context_length=128)
+            self.schedules[batch_size] = GoodputSchedule(costs, self.temperatures)
+        return self.schedules[batch_size]
+
+    def generate(self, system: str, inputs: dict[str, torch.Tensor], settings: dict, seed: int):
+        """One ``generate`` call of a system; returns the output sequences and the DSpark statistics."""
+        if system in ("plain", "prompt-lookup"):
+            torch.manual_seed(seed)
+            extra = PROMPT_LOOKUP if system == "prompt-lookup" else {}
+            return self.target.generate(**inputs, **settings, **extra), None
+        head = self.heads["dflash" if system == "dflash" else "dspark"]
+        schedule = self.schedule(inputs["input_ids"].shape[0]) if system == "dspark-scheduled" else FixedLength()
+        output = self.model.generate(
+            **inputs, **settings, assistant=head, schedule=schedule, seed=seed, return_dict_in_generate=True
+        )
+        return output.sequences, output.dspark_stats
+
+    def run(self, system: str, prompts: list[list[int]], batch_size: int, temperature: float) -> Outcome:
+        """Runs a system over the prompts in batches, timing each batch and its first token."""
+        settings = {"max_new_tokens": self.args.max_new_tokens, "pad_token_id": self.pad, "eos_token_id": self.eos}
+        if temperature > 0:
+            settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            settings.update(do_sample=False)
+        if system == "dspark-scheduled":
+            self.schedule(batch_size)  # profile the costs before any timing
+        sequences, latencies, ttft = [], [], []
+        forwards = committed = 0
+        accepted = verified = None
+        total = 0.0
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            inputs = left_pad(batch, self.pad)
+            width = inputs["input_ids"].shape[1]
+            start = time.perf_counter()
+            self.generate(system, inputs, {**settings, "max_new_tokens": 1}, seed=first)
+            ttft.append(time.perf_counter() - start)
+            self.counter.count = 0
+            start = time.perf_counter()
+            output, stats = self.generate(system, inputs, settings, seed=first)
+            seconds = time.perf_counter() - start
+            total += seconds
+            rows = answers(output, width, self.eos)
+            sequences += rows
+            latencies += [seconds] * len(rows)
+            if stats is None:  # tokens per forward after the prefill, over the batch's longest row
+                forwards += self.counter.count - 1
+                committed += max(map(len, rows)) - 1
+            else:
+                forwards += int(stats.num_rounds.sum())
+                committed += int((stats.num_accepted + stats.num_rounds).sum())
+                accepted = stats.accepted_by_position.sum(0) + (0 if accepted is None else accepted)
+                verified = stats.verified_by_position.sum(0) + (0 if verified is None else verified)
+        acceptance = [] if accepted is None else (accepted / verified.clamp(min=1)).tolist()
+        return Outcome(sequences, latencies, total, ttft, committed / max(forwards, 1), acceptance)
+
+    def available(self, system: str, batch_size: int) -> bool:
+        """Whether a system runs at this batch size (prompt lookup: batch 1; dflash: when its head exists)."""
+        if system == "prompt-lookup":
+            return batch_size == 1
+        return system != "dflash" or "dflash" in self.heads
+
+
+def cell_rows(domain: str, temperature: float, batch_size: int, outcomes: dict[str, Outcome]) -> list[Row]:
+    plain = outcomes["plain"]
+    plain_throughput = sum(map(len, plain.sequences)) / plain.seconds
+    rows = []
+    for system, outcome in outcomes.items():
+        new_tokens = sum(map(len, outcome.sequences))
+        per_request = [len(seq) / latency for seq, latency in zip(outcome.sequences, outcome.latencies, strict=True)]
+        identical = ""
+        if temperature == 0:
+            same = sum(a == b for a, b in zip(outcome.sequences, plain.sequences, strict=True))
+            identical = f"{same}/{len(plain.sequences)}"
+        rows.append(
+            Row(
+                domain=domain, temperature=temperature, batch_size=batch_size, system=system,
+                requests=len(outcome.sequences), new_tokens=new_tokens,
+                ttft_ms=round(1000 * statistics.mean(outcome.ttft_seconds), 1),
+                request_tok_s=round(statistics.mean(per_request), 2),
+                throughput_tok_s=round(new_tokens / outcome.seconds, 2),
+                p95_latency_s=round(float(torch.tensor(outcome.latencies).quantile(0.95)), 2),
+                tau=round(outcome.tau, 3), acceptance=" ".join(f"{rate:.2f}" for rate in outcome.acceptance),
+                speedup=round(new_tokens / outcome.seconds / plain_throughput, 3), identical=identical,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    """The results as one markdown table (speed-ups against plain generate() in the same cell)."""
+    lines = [
+        "| domain | T | batch | system | tau | tok/s per request | throughput tok/s | speed-up | TTFT ms | "
+        "p95 latency s | greedy identical |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.domain} | {row.temperature:g} | {row.batch_size} | {row.system} | {row.tau:.2f} | "
+            f"{row.request_tok_s:.1f} | {row.throughput_tok_s:.1f} | {row.speedup:.2f}x | {row.ttft_ms:.0f} | "
+            f"{row.p95_latency_s:.2f} | {row.identical or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Speed-up per domain at batch 1 (greedy and T=1), throughput by batch size, acceptance by position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [system for system in SYSTEMS if any(row.system == system for row in rows)]
+    temperatures = sorted({row.temperature for row in rows})
+    domains = list(dict.fromkeys(row.domain for row in rows))
+    figure, axes = plt.subplots(1, len(temperatures) + 2, figsize=(5 * (len(temperatures) + 2), 4))
+    width = 0.8 / len(systems)
+    for axis, temperature in zip(axes, temperatures, strict=False):
+        for index, system in enumerate(systems):
+            values = [
+                next((r.speedup for r in rows if (r.domain, r.temperature, r.batch_size, r.system)
+                      == (domain, temperature, 1, system)), 0.0)
+                for domain in domains
+            ]  # fmt: skip
+            axis.bar([d + index * width for d in range(len(domains))], values, width, label=system)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks([d + width * (len(systems) - 1) / 2 for d in range(len(domains))], domains)
+        axis.set_title(f"speed-up vs plain generate(), batch 1, T={temperature:g}")
+    axes[0].legend(fontsize=8)
+    throughput_axis, acceptance_axis = axes[-2], axes[-1]
+    for system in systems:
+        points = sorted(
+            (r.batch_size, r.throughput_tok_s) for r in rows if r.system == system and r.temperature == temperatures[0]
+        )
+        by_batch: dict[int, list[float]] = {}
+        for batch_size, value in points:
+            by_batch.setdefault(batch_size, []).append(value)
+        throughput_axis.plot(list(by_batch), [statistics.mean(v) for v in by_batch.values()], marker="o", label=system)
+        curves = [r.acceptance for r in rows if r.system == system and r.acceptance and r.batch_size == 1]
+        if curves:
+            table = torch.tensor([[float(x) for x in curve.split()] for curve in curves])
+            positions = range(1, table.shape[1] + 1)
+            acceptance_axis.plot(positions, table.mean(0).tolist(), marker="o", label=system)
+    throughput_axis.set(xscale="log", xlabel="batch size", ylabel="tokens/s (all domains, mean)")
+    throughput_axis.set_title(f"aggregate throughput, T={temperatures[0]:g}")
+    throughput_axis.legend(fontsize=8)
+    acceptance_axis.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1))
+    acceptance_axis.set_title("per-position acceptance, batch 1 (mean of cells)")
+    acceptance_axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--domains", nargs="+", default=list(prompt_sets.DOMAINS), choices=prompt_sets.DOMAINS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--prompts", type=int, default=16, help="evaluation prompts per domain")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per request at most")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--prompt", type=int, default=32, help="prompt length")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest is kept")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
+    parser.add_argument("--dflash-head", default=str(DFLASH_HEAD), help="the DFlash ablation head folder")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--note", default="", help="free text for the header, e.g. machine load")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
+    bench = Bench(args)
+    rows: list[Row] = []
+    cells = [(d, t, b) for d in args.domains for t in args.temperatures for b in args.batch_sizes]
     with torch.no_grad():
-        for model in args.models:
-            for batch_size in args.batch_sizes:
-                row = run(model, batch_size, args)
+        for domain, temperature, batch_size in tqdm(cells, desc="cells"):
+            texts = prompt_sets.load_prompts(domain, "eval")[: args.prompts]
+            prompts = [prompt_ids(bench.tokenizer, text) for text in texts]
+            systems = ["plain"] + [s for s in args.systems if s != "plain" and bench.available(s, batch_size)]
+            bench.run("plain", prompts[:1], 1, temperature)  # warm-up
+            outcomes = {system: bench.run(system, prompts, batch_size, temperature) for system in systems}
+            cell = cell_rows(domain, temperature, batch_size, outcomes)
+            for row in cell:
                 print(row)
-                rows.append(row)
+            rows += cell
+    stem = RESULTS / "generate_smollm2_cpu"
     note = (
-        f"float32, greedy, untrained head (1 draft layer), {args.threads} torch thread(s), fastest of "
-        f"{args.repeats} runs; {args.note}"
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
+        f"{args.prompts} prompts per domain, up to {args.max_new_tokens} new tokens; {args.note}"
     )
-    write_results(RESULTS / "generate_cpu.csv", [asdict(row) for row in rows], torch.device("cpu"), [note])
+    write_results(stem.with_suffix(".csv"), [asdict(row) for row in rows], torch.device("cpu"), [note])
+    stem.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, stem.with_suffix(".png"))
+    print(markdown(rows))
 
 
 if __name__ == "__main__":
