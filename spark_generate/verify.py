@@ -7,8 +7,9 @@ side used), which is exact because position ``j`` only matters when every draft 
 accepted. Then :func:`~spark_generate.kernels.rejection_sample` keeps an accepted prefix of the
 drafts and adds one recovered or bonus token.
 
-Logits are processed in float32, as plain ``generate()`` does. Greedy decoding passes the
-target's argmax as a one-hot distribution and accepts a draft iff it equals that argmax.
+Logits are processed in float32, as plain ``generate()`` does. Greedy decoding accepts a draft
+iff it equals the target's argmax and then emits the argmax: the rejection sampler's greedy rule,
+computed from ``[B, W]`` argmaxes without materialising one-hot ``[B, W, V]`` distributions.
 Sampling passes ``softmax(processed logits)`` and the draft
 distributions recorded while drafting, with Philox draws keyed by each row's seed and the
 absolute position of the token.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
 from spark_generate.drafting import DraftBlock, RowPrefixes, Sampling, apply_processors
@@ -55,6 +57,33 @@ def check_finite(target_logits: torch.Tensor) -> None:
             f"the target produced NaN logits (rows {rows} of the batch); expected finite logits. "
             "Check the model's weights and dtype (float16 overflow is a common cause)."
         )
+
+
+def _greedy_verdict(
+    target_token_ids: torch.Tensor, draft_token_ids: torch.Tensor, num_verified: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 0: accept drafts while they equal the target's argmax, then emit the argmax.
+
+    This is :func:`~spark_generate.kernels.rejection_sample` with one-hot target distributions
+    (``greedy=True``) without materialising them: the recovered token at the first mismatch and the
+    bonus token after a fully accepted prefix are both the target's argmax at that position.
+
+    Args:
+        target_token_ids: ``[B, W]`` argmax of the processed target logits at each block position.
+        draft_token_ids: ``[B, W - 1]`` drafts.
+        num_verified: ``[B]`` drafts verified per row.
+
+    Returns:
+        ``[B, W]`` token ids (accepted drafts, the argmax, then -1) and ``[B]`` tokens emitted.
+    """
+    width = target_token_ids.shape[1]
+    slots = torch.arange(width - 1, device=draft_token_ids.device)
+    matches = (draft_token_ids == target_token_ids[:, :-1]) & (slots < num_verified[:, None])
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(width, device=draft_token_ids.device)
+    token_ids = torch.where(positions < num_accepted[:, None], F.pad(draft_token_ids, (0, 1)), -1)
+    token_ids.scatter_(1, num_accepted[:, None], target_token_ids.gather(1, num_accepted[:, None]))
+    return token_ids, num_accepted + 1
 
 
 def verify_block(
@@ -96,17 +125,7 @@ def verify_block(
             dim=1,
         )
     if sampling.greedy:
-        # Greedy rows draw nothing: constant explicit draws skip generating Philox noise over V.
-        target_probs = torch.zeros(target_scores.shape, dtype=torch.float32, device=target_scores.device)
-        target_probs.scatter_(-1, target_scores.argmax(dim=-1, keepdim=True), 1.0)
-        uniforms, noise = (
-            target_probs.new_zeros(draft_token_ids.shape),
-            target_probs.new_ones(target_probs[:, 0].shape),
-        )
-        token_ids, num_emitted = rejection_sample(
-            target_probs, None, draft_token_ids, num_verified, greedy=True, uniforms=uniforms, noise=noise,
-            validate=False,
-        )  # fmt: skip
+        token_ids, num_emitted = _greedy_verdict(target_scores.argmax(dim=-1), draft_token_ids, num_verified)
     else:
         token_ids, num_emitted = rejection_sample(
             torch.softmax(target_scores, dim=-1), block.probs[:, : width - 1], draft_token_ids, num_verified,
