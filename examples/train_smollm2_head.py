@@ -46,7 +46,7 @@ REGENERATION = SamplingSettings(max_new_tokens=192, do_sample=False)
 HEAD = {"block_size": 7, "num_draft_layers": 2, "markov_rank": 64}
 VARIANTS = {"dspark": {}, "dflash": {"markov_rank": 0, "enable_confidence_head": False}}
 DRAFT_VOCAB_SIZE = 8192
-TRAINING = {"num_steps": 1200, "batch_size": 2, "num_anchors": 48, "learning_rate": 1e-3, "save_every": 100}
+TRAINING = {"num_steps": 700, "batch_size": 2, "num_anchors": 128, "learning_rate": 1e-3, "save_every": 100}
 EVAL_PROMPTS_PER_DOMAIN = 8
 EVAL_NEW_TOKENS = 96
 EXPORT = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
