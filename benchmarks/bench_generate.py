@@ -13,8 +13,9 @@ Systems (same target, precision, prompts and decoding settings):
 
 Prompts: the evaluation split of :mod:`spark_generate.prompt_sets` (HumanEval for code,
 GSM-Symbolic for math, MT-Bench first turns for chat), in the chat template, never seen in training.
-Each (domain, temperature, batch size) cell runs the same ``--prompts`` prompts through every
-system in left-padded batches, stopping at EOS or ``--max-new-tokens``, and records per system:
+Each (domain, temperature, batch size) cell runs the same prompts (the first ``--prompts``, or
+one full batch when that is more) through every system in left-padded batches, stopping at EOS
+or ``--max-new-tokens``, and records per system:
 
 * ``ttft_ms``: time to first token, the mean wall time of ``generate(max_new_tokens=1)`` per batch;
 * ``request_tok_s``: mean over requests of its new tokens divided by its latency;
@@ -290,8 +291,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--domains", nargs="+", default=list(prompt_sets.DOMAINS), choices=prompt_sets.DOMAINS)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--prompts", type=int, default=16, help="evaluation prompts per domain")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per request at most")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per cell (at least one full batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="new tokens per request at most")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
     parser.add_argument("--dflash-head", default=str(DFLASH_HEAD), help="the DFlash ablation head folder")
@@ -304,7 +305,7 @@ def main() -> None:
     cells = [(d, t, b) for d in args.domains for t in args.temperatures for b in args.batch_sizes]
     with torch.no_grad():
         for domain, temperature, batch_size in tqdm(cells, desc="cells"):
-            texts = prompt_sets.load_prompts(domain, "eval")[: args.prompts]
+            texts = prompt_sets.load_prompts(domain, "eval")[: max(args.prompts, batch_size)]
             prompts = [prompt_ids(bench.tokenizer, text) for text in texts]
             systems = ["plain"] + [s for s in args.systems if s != "plain" and bench.available(s, batch_size)]
             bench.run("plain", prompts[:1], 1, temperature)  # warm-up
@@ -316,7 +317,8 @@ def main() -> None:
     stem = RESULTS / "generate_smollm2_cpu"
     note = (
         f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
-        f"{args.prompts} prompts per domain, up to {args.max_new_tokens} new tokens; {args.note}"
+        f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens; "
+        f"{args.note}"
     )
     write_results(stem.with_suffix(".csv"), [asdict(row) for row in rows], torch.device("cpu"), [note])
     stem.with_suffix(".md").write_text(markdown(rows))

@@ -43,7 +43,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target, tokenizer = zoo.load("smollm2-135m-instruct")
-    head = DSparkHead.from_pretrained(HEAD).attach(target).float().eval()
+    head = DSparkHead.from_pretrained(HEAD, dtype=target.dtype).attach(target).eval()
     model = DSparkForCausalLM(target)
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
 

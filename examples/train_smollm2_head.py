@@ -47,8 +47,8 @@ HEAD = {"block_size": 7, "num_draft_layers": 2, "markov_rank": 64}
 VARIANTS = {"dspark": {}, "dflash": {"markov_rank": 0, "enable_confidence_head": False}}
 DRAFT_VOCAB_SIZE = 8192
 TRAINING = {"num_steps": 700, "batch_size": 2, "num_anchors": 128, "learning_rate": 1e-3, "save_every": 100}
-EVAL_PROMPTS_PER_DOMAIN = 8
-EVAL_NEW_TOKENS = 96
+EVAL_PROMPTS_PER_DOMAIN = 6
+EVAL_NEW_TOKENS = 64
 EXPORT = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
 
 
@@ -86,7 +86,7 @@ def stage_calibrate(workdir: Path, target, tokenizer) -> Path:
     head = DSparkHead.from_pretrained(_latest_checkpoint(workdir / "dspark")).attach(target)
     prompts = prompt_sets.mixed_training_prompts()[NUM_TRAIN_PROMPTS : NUM_TRAIN_PROMPTS + NUM_CALIBRATION_PROMPTS]
     prompts = _token_prompts(tokenizer, prompts)
-    data = collect_calibration_data(head, target, prompts, max_new_tokens=96, do_sample=True)
+    data = collect_calibration_data(head, target, prompts, max_new_tokens=64, do_sample=True)
     result = fit_sts(data)
     result.save(output, num_steps=len(data.num_accepted))
     plot_reliability(data, result, workdir / "reliability.png")
