@@ -66,7 +66,7 @@ def stage_train(workdir: Path, variant: str, target) -> Path:
     dataset = read_jsonl(workdir / "train.jsonl")
     output_dir = workdir / variant
     resume = _latest_checkpoint(output_dir)
-    if resume is not None and resume.name == f"checkpoint-{TRAINING['num_steps']}":
+    if resume is not None and int(resume.name.split("-")[1]) == TRAINING["num_steps"]:
         return resume
     torch.manual_seed(0)
     draft_vocab = draft_vocab_from_data(dataset, DRAFT_VOCAB_SIZE, target.config.vocab_size)
