@@ -122,6 +122,7 @@ def stage_export(workdir: Path, variant: str) -> Path:
     checkpoint = _latest_checkpoint(workdir / variant)
     destination = EXPORT if variant == "dspark" else workdir / f"{variant}-export"
     head = DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16)
+    head.config.verifier_name_or_path = TARGET  # the zoo name, not this machine's cache path
     head.save_pretrained(destination)
     shutil.copy(checkpoint / "provenance.json", destination / "provenance.json")
     if variant == "dspark":

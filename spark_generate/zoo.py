@@ -165,4 +165,5 @@ def load(
     folder = converted_folder(name, cache_dir=cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    target.config.name_or_path = name  # not the machine's cache path: heads record it as their verifier
     return target, tokenizer
