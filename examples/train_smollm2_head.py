@@ -102,17 +102,7 @@ def stage_eval(workdir: Path, variant: str, target, tokenizer) -> Path:
     for domain in prompt_sets.DOMAINS:
         prompts = _token_prompts(tokenizer, prompt_sets.load_prompts(domain, "eval")[:EVAL_PROMPTS_PER_DOMAIN])
         reports[domain] = evaluate_domain(head, target, prompts, max_new_tokens=EVAL_NEW_TOKENS)
-    record = {
-        domain: {
-            "tau": report.online.tau,
-            "acceptance_by_position": report.online.acceptance_by_position,
-            "num_rounds": report.online.num_rounds,
-            "tokens_per_second": report.tokens_per_second,
-            "baseline_tokens_per_second": report.baseline_tokens_per_second,
-            "speedup": report.speedup,
-        }
-        for domain, report in reports.items()
-    }
+    record = {domain: report.to_dict() for domain, report in reports.items()}
     output.write_text(json.dumps(record, indent=2) + "\n")
     plot_domains(reports, workdir / f"eval-{variant}.png")
     return output

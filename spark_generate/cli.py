@@ -128,17 +128,7 @@ def _evaluate(args: argparse.Namespace) -> str:
         reports[Path(path).stem] = evaluate_domain(
             head, target, prompts, max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, seed=args.seed
         )
-    record = {
-        name: {
-            "tau": report.online.tau,
-            "acceptance_by_position": report.online.acceptance_by_position,
-            "num_rounds": report.online.num_rounds,
-            "tokens_per_second": report.tokens_per_second,
-            "baseline_tokens_per_second": report.baseline_tokens_per_second,
-            "speedup": report.speedup,
-        }
-        for name, report in reports.items()
-    }
+    record = {name: report.to_dict() for name, report in reports.items()}
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
     if args.plot:
         plot_domains(reports, args.plot)

@@ -70,6 +70,17 @@ class DomainReport:
         """Speculative over plain throughput."""
         return self.tokens_per_second / self.baseline_tokens_per_second
 
+    def to_dict(self) -> dict[str, object]:
+        """The report as the JSON record that ``spark-generate eval`` writes and ``card`` reads."""
+        return {
+            "tau": self.online.tau,
+            "acceptance_by_position": self.online.acceptance_by_position,
+            "num_rounds": self.online.num_rounds,
+            "tokens_per_second": self.tokens_per_second,
+            "baseline_tokens_per_second": self.baseline_tokens_per_second,
+            "speedup": self.speedup,
+        }
+
 
 @torch.no_grad()
 def evaluate_teacher_forced(
