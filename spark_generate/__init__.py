@@ -21,13 +21,15 @@ if TYPE_CHECKING:
     from spark_generate.generation import decode
     from spark_generate.heads import DSparkHead
     from spark_generate.modeling import DSparkForCausalLM
-    from spark_generate.schedule import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, profile_costs
+    from spark_generate.profiling import profile_costs
+    from spark_generate.schedule import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
     from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats
 
 # Importing Transformers models imports Triton through torch (torch._native.ops), so the
 # generation API is imported on first use: `spark_generate.decode` works, `import spark_generate`
 # stays Triton-free.
 _LAZY_EXPORTS = {
+    "AdaptiveSchedule": "spark_generate.schedule",
     "ConfidenceThreshold": "spark_generate.schedule",
     "CostTable": "spark_generate.schedule",
     "DSparkConfig": "spark_generate.config",
@@ -38,7 +40,7 @@ _LAZY_EXPORTS = {
     "GoodputSchedule": "spark_generate.schedule",
     "SpeculativeStats": "spark_generate.telemetry",
     "decode": "spark_generate.generation",
-    "profile_costs": "spark_generate.schedule",
+    "profile_costs": "spark_generate.profiling",
 }
 
 
@@ -51,6 +53,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AdaptiveSchedule",
     "ConfidenceThreshold",
     "CostTable",
     "DSparkConfig",

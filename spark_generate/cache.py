@@ -1,80 +1,27 @@
-"""The target side of the loop: its KV cache, its verification forward, and its tapped features.
-
-Everything that differs between Transformers 5.x releases, or between model families, lives here,
-so the generation loop reads the same on every version:
-
-* the cache keyword of ``forward`` (``cache`` from 5.24, ``past_key_values`` before; remote-code
-  models may keep either), found by inspecting the model's signature once;
-* the cache object handed to a ``custom_generate`` callable (``cache`` or ``past_key_values`` in
-  ``model_kwargs``; none at all on 5.0, in which case a fresh :class:`~transformers.DynamicCache`);
-* rollback: ``Cache.crop(x)`` cuts to an absolute length for ``x >= 0`` up to 5.12 and removes
-  ``|x|`` tokens for ``x <= 0`` from 5.18 on, so :func:`crop_cache` only ever calls ``crop(-n)``
-  with ``n > 0``, which means "remove ``n`` tokens" in every release;
-* hidden states of the tapped decoder layers, captured by forward hooks (:class:`FeatureTap`)
-  rather than ``output_hidden_states``, whose list form changed meaning between releases and
-  which would keep every layer.
+"""The target side of the loop: its verification forward, its tapped features, and cache holes.
 
 The batch shares one cache length. Rows that accept fewer tokens than others leave *holes* in the
 cache: the entries stay, and the loop's 2-D attention mask marks them 0, so later queries never
 see them. Positions are passed explicitly, so a hole does not shift any row's positions. Holes do
 shift a sliding window (it counts cache entries) and would enter a linear-attention state, so
 :func:`check_holes_allowed` refuses batches of such targets unless the window can never slide.
+
+Hidden states of the tapped layers are captured by forward hooks (:class:`FeatureTap`) rather than
+``output_hidden_states``, whose list form changed meaning between releases and which would keep
+every layer. What differs between Transformers releases (the cache keyword, cache rollback) lives
+in :mod:`spark_generate.hf`.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
-__all__ = ["FeatureTap", "cache_kwarg_name", "check_holes_allowed", "crop_cache", "take_cache", "target_forward"]
-
-CACHE_KWARG_NAMES = ("cache", "past_key_values")
-
-
-def cache_kwarg_name(model: PreTrainedModel) -> str:
-    """The keyword under which ``model.forward`` takes its KV cache (``cache`` or ``past_key_values``)."""
-    parameters = inspect.signature(model.forward).parameters
-    for name in CACHE_KWARG_NAMES:
-        if name in parameters:
-            return name
-    raise ValueError(
-        f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`; expected a "
-        "Transformers causal LM with a KV cache."
-    )
-
-
-def take_cache(model: PreTrainedModel, model_kwargs: dict[str, Any]) -> Cache:
-    """Pops the (empty) cache ``generate()`` prepared from ``model_kwargs``, or makes one.
-
-    Calls ``activate_past_recording()`` where it exists (5.18+), which sliding-window and
-    linear-attention layers need before any rollback.
-
-    Raises:
-        ValueError: The cache already holds tokens, or cannot be rolled back.
-    """
-    cache = None
-    for name in CACHE_KWARG_NAMES:
-        cache = model_kwargs.pop(name, None) or cache
-    if cache is None:
-        cache = DynamicCache(config=model.config)
-    if cache.get_seq_length() != 0:
-        raise ValueError(
-            f"the cache passed to generate already holds {cache.get_seq_length()} tokens; DSpark decoding "
-            "expects an empty cache (continuing from a prefilled cache is not supported): drop `cache=`."
-        )
-    if not getattr(cache, "is_croppable", True):
-        raise ValueError(
-            f"{type(cache).__name__} cannot be cropped, but speculative decoding rolls back rejected "
-            "tokens; use the default dynamic cache (drop `cache_implementation=`)."
-        )
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
+__all__ = ["FeatureTap", "check_holes_allowed", "target_forward"]
 
 
 def check_holes_allowed(model: PreTrainedModel, batch_size: int, max_cache_length: int) -> None:
@@ -103,15 +50,6 @@ def check_holes_allowed(model: PreTrainedModel, batch_size: int, max_cache_lengt
             f"accept different numbers of drafts leave holes in the shared cache (up to {max_cache_length} "
             "entries here) that would change its attention. Generate one prompt at a time (batch size 1)."
         )
-
-
-def crop_cache(cache: Cache, length: int) -> None:
-    """Removes every cached token after the first ``length`` (the same call on every 5.x release)."""
-    num_removed = cache.get_seq_length() - length
-    if num_removed < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}: it is shorter.")
-    if num_removed > 0:
-        cache.crop(-num_removed)
 
 
 def target_forward(
@@ -150,33 +88,57 @@ def target_forward(
 
 
 class FeatureTap:
-    """Captures the outputs of chosen decoder layers of the target on every forward, by hooks.
+    """Captures the hidden states of chosen target layers on every forward, by hooks.
 
     Use as a context manager (hooks are removed on exit). After each target forward,
-    :meth:`take` returns the concatenated outputs of that forward.
+    :meth:`take` returns the concatenated features of that forward.
+
+    Layer ids follow :class:`~spark_generate.config.DSparkConfig`'s ``target_layer_ids``: id
+    ``l >= 0`` is the raw output of decoder layer ``l`` (before the final norm), i.e.
+    ``hidden_states[l + 1]`` of a Transformers forward with ``output_hidden_states=True``; id ``-1``
+    (DeepSpec's) is the embedding output, i.e. the input of decoder layer 0, ``hidden_states[0]``
+    (a pre-hook on layer 0 reads it, so model-specific embedding scaling is included). Python's
+    negative indexing never applies: ``-1`` does not mean the last layer.
 
     Args:
         model: The target; its decoder layers are ``model.get_decoder().layers``.
-        layer_ids: 0-based decoder layers whose raw outputs (before the final norm) to keep.
+        layer_ids: Ids in ``[-1, num_layers)``, as above; features come in this order.
         device: Where the features go (the head's device; layers may sit on other devices).
+
+    Raises:
+        ValueError: The model has no ``get_decoder().layers``, or an id is outside ``[-1, num_layers)``.
     """
 
     def __init__(self, model: PreTrainedModel, layer_ids: list[int], device: torch.device):
         layers = getattr(model.get_decoder(), "layers", None)
-        if not isinstance(layers, nn.ModuleList) or max(layer_ids) >= len(layers):
-            found = "no decoder layers" if layers is None else f"{len(layers)} decoder layers"
+        layer_ids = [int(layer_id) for layer_id in layer_ids]
+        if not isinstance(layers, nn.ModuleList) or not layers:
+            found = "an empty nn.ModuleList" if isinstance(layers, nn.ModuleList) else "no nn.ModuleList"
             raise ValueError(
                 f"cannot tap layers {layer_ids} of {type(model).__name__}: found {found} at "
                 "model.get_decoder().layers; expected a decoder-only Transformers model with those layers."
             )
-        self._layers = [layers[i] for i in layer_ids]
+        bad = [layer_id for layer_id in layer_ids if not -1 <= layer_id < len(layers)]
+        if not layer_ids or bad:
+            raise ValueError(
+                f"cannot tap layers {layer_ids} of {type(model).__name__}: "
+                + (f"ids {bad} are" if bad else "no id is")
+                + f" in [-1, {len(layers)}) for its {len(layers)} decoder layers (-1 is the embedding "
+                "output, l >= 0 the output of decoder layer l); give at least one id in that range."
+            )
+        self._layer_ids = layer_ids
+        self._layers = layers
         self._device = device
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> FeatureTap:
-        for slot, layer in enumerate(self._layers):
-            self._handles.append(layer.register_forward_hook(self._hook(slot)))
+        for slot, layer_id in enumerate(self._layer_ids):
+            if layer_id == -1:  # the embedding output: what decoder layer 0 receives
+                handle = self._layers[0].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True)
+            else:
+                handle = self._layers[layer_id].register_forward_hook(self._hook(slot))
+            self._handles.append(handle)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -190,8 +152,14 @@ class FeatureTap:
 
         return store
 
+    def _pre_hook(self, slot: int) -> Callable[[nn.Module, Any, dict[str, Any]], None]:
+        def store(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            self._outputs[slot] = args[0] if args else kwargs["hidden_states"]
+
+        return store
+
     def take(self) -> torch.Tensor:
-        """Returns ``[B, T, m·H]``: the tapped outputs of the last forward, in tap order."""
+        """Returns ``[B, T, m·H]``: the tapped features of the last forward, in tap order."""
         if any(output is None for output in self._outputs):
             raise RuntimeError("no target forward ran since the last take(); the tap has nothing to return")
         features = torch.cat([output.to(self._device) for output in self._outputs], dim=-1)

@@ -1,81 +1,41 @@
 """Drafting one block: a parallel backbone pass, then the serial Markov head, slot by slot.
 
-For every row of the batch, :func:`draft_block` runs the head's backbone once over the block
-``[anchor, MASK, ...]`` (feeding it the target features of the tokens committed since the last
-round), then walks the ``S`` draft slots left to right. Slot ``j`` gets its logits from
-:meth:`~spark_generate.heads.DSparkHead.draft_step` given the token drafted at ``j - 1``, is
-scattered into the target vocabulary, and goes through **the same logits processors as the
-target**, with the row's committed tokens plus the drafts so far as prefix. The processed
-distribution, in float32, is what the draft token is sampled from (on the ``DRAFT`` random stream)
-and exactly what verification later uses as ``q``: nothing is recomputed. Greedy decoding takes the
-argmax of the processed logits instead, and keeps no distribution (``q`` is one-hot). Logits are
-processed in float32 on both sides, as plain ``generate()`` does.
+The loop talks to a :class:`Drafter`: given a :class:`DraftRequest` (each row's anchor, the target
+features committed since the last round, the sampling mode) it returns a :class:`DraftBlock`, and
+it drops finished rows from its own state with :meth:`Drafter.select_rows`. :class:`HeadDrafter`
+drafts with a :class:`~spark_generate.heads.DSparkHead`; tests and other drafters plug in the same
+way.
 
-Processors see real prefixes, so rows of different lengths are processed in groups of equal
-length (:func:`rows_by_length`): length-dependent processors (``min_new_tokens``, no-repeat
-n-grams) then behave exactly as in plain ``generate()``. Processors must treat rows
-independently; the one standard processor with per-row state (the repetition penalty's
-``prompt_ignore_length``, which skips left padding) is sliced to the rows of each call. Custom
-processors that index rows (``prefix_allowed_tokens_fn`` reads ``batch_id``) see the rows of a
-group renumbered from 0, so they are only exact with batch size 1.
+:class:`HeadDrafter` runs the head's backbone once over the block ``[anchor, MASK, ...]`` of every
+row (feeding it the new target features), then walks the ``S`` draft slots left to right. Slot
+``j`` gets its logits from :meth:`~spark_generate.heads.DSparkHead.draft_step` given the token
+drafted at ``j - 1``, and stays in the head's **draft vocabulary**: only the target's warpers that
+never read token ids (temperature, top-k, top-p, ...) are applied to it, then one softmax and one
+Philox draw on the ``DRAFT`` stream (greedy decoding takes the argmax instead, and keeps no
+distribution: ``q`` is one-hot). The distribution each draft was sampled from is kept, exactly, as
+what verification uses for ``q``; :meth:`DraftBlock.target_probs` lays it over the target
+vocabulary once per round.
+
+The draft distribution may be any distribution: verification is lossless for every ``q`` as long
+as it is the one the draft was sampled from. Processors that read token ids (repetition penalty,
+``min_new_tokens``, no-repeat n-grams) are therefore applied on the target side only; a draft they
+would forbid is simply rejected.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers import LogitsProcessorList
 
-from spark_generate.heads import DraftKVCache, DSparkHead
+from spark_generate.heads import DSparkHead
 from spark_generate.kernels import RandomStream
+from spark_generate.rows import RowPrefixes, Sampling
 from spark_generate.sampling import sample
 
-__all__ = [
-    "UNSEEN_POSITION",
-    "DraftBlock",
-    "DraftContext",
-    "RowPrefixes",
-    "Sampling",
-    "apply_processors",
-    "draft_block",
-    "rows_by_length",
-]
-
-# Context rows with this position are never attended to (the draft's mask shows a block only the
-# context rows before its anchor): left padding of the prompt, and holes left by rejected tokens.
-UNSEEN_POSITION = 2**40
-
-
-@dataclass(frozen=True)
-class RowPrefixes:
-    """The committed tokens of every row, as the logits processors and stopping criteria see them.
-
-    Attributes:
-        token_ids: ``[B, C]`` left-padded prompt, then the generated tokens; columns at and after
-            ``lengths[b]`` are unused.
-        lengths: ``[B]`` int64 number of used columns per row.
-        rows: ``[B]`` int64 index of each row in the batch ``generate()`` was called with (rows
-            leave the batch as they finish; per-row processor state is indexed by these).
-    """
-
-    token_ids: torch.Tensor
-    lengths: torch.Tensor
-    rows: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: greedily, or by sampling with per-row Philox seeds.
-
-    Attributes:
-        greedy: Take argmaxes (``do_sample=False``).
-        seeds: ``[B]`` int64 Philox seeds; a row's draws depend only on its seed and positions.
-    """
-
-    greedy: bool
-    seeds: torch.Tensor
+__all__ = ["DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +51,45 @@ class DraftContext:
     features: torch.Tensor
     positions: torch.Tensor
 
+    def extend(self, newer: DraftContext, max_rows: int | None = None) -> DraftContext:
+        """This context followed by ``newer``, keeping at most the last ``max_rows`` rows."""
+        features = torch.cat([self.features, newer.features], dim=1)
+        positions = torch.cat([self.positions, newer.positions], dim=1)
+        if max_rows is not None and features.shape[1] > max_rows:
+            features, positions = features[:, -max_rows:], positions[:, -max_rows:]
+        return DraftContext(features, positions)
+
+    def select_rows(self, keep: torch.Tensor) -> DraftContext:
+        """The context of the batch rows ``keep``."""
+        return DraftContext(self.features[keep], self.positions[keep])
+
+    @classmethod
+    def empty_like(cls, other: DraftContext) -> DraftContext:
+        """A context with no rows, for the batch and devices of ``other``."""
+        return cls(other.features[:, :0], other.positions[:, :0])
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a drafter needs to draft one block per running row.
+
+    Attributes:
+        anchor_ids: ``[B]`` the last committed token of each row (not yet seen by the target).
+        anchor_positions: ``[B]`` int64 its absolute position.
+        context: Target features of the tokens committed since the last round.
+        prefixes: The committed tokens of each row (ending with the anchor).
+        sampling: Greedy or seeded sampling.
+        warpers: The target's warpers that read only the logits (see
+            :func:`spark_generate.hf.vocabulary_free_processors`), empty for greedy decoding.
+    """
+
+    anchor_ids: torch.Tensor
+    anchor_positions: torch.Tensor
+    context: DraftContext
+    prefixes: RowPrefixes
+    sampling: Sampling
+    warpers: LogitsProcessorList
+
 
 @dataclass(frozen=True)
 class DraftBlock:
@@ -98,124 +97,105 @@ class DraftBlock:
 
     Attributes:
         token_ids: ``[B, S]`` int64 drafted target-vocabulary ids.
-        probs: ``[B, S, V]`` float32 processed distributions the drafts were sampled from, or None
-            for greedy drafts.
+        probs: ``[B, S, V_q]`` float32 distributions the drafts were sampled from, or None for
+            greedy drafts.
+        vocab_ids: ``[V_q]`` int64 target ids of the columns of ``probs``, or None when they are
+            the whole target vocabulary in order.
         confidence_logits: ``[B, S]`` float32 confidence-head logits, or None without that head.
     """
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None
+    vocab_ids: torch.Tensor | None
     confidence_logits: torch.Tensor | None
 
+    @classmethod
+    def nothing(cls, anchor_ids: torch.Tensor) -> DraftBlock:
+        """A block of no drafts for the ``[B]`` anchors: verifying it is a plain decoding step."""
+        return cls(anchor_ids.new_empty((anchor_ids.shape[0], 0)), None, None, None)
 
-def rows_by_length(lengths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """Groups rows of equal length: ``[(length, row indices)]``, one group when all are equal."""
-    values = lengths.tolist()
-    if len(set(values)) == 1:
-        return [(values[0], torch.arange(len(values), device=lengths.device))]
-    return [(length, (lengths == length).nonzero()[:, 0]) for length in sorted(set(values))]
+    def target_probs(self, num_drafts: int, vocab_size: int) -> torch.Tensor:
+        """``[B, num_drafts, V]`` the draft distributions of the first slots over the target vocabulary."""
+        if num_drafts == 0:  # a plain step: the bonus token is drawn from the target's distribution alone
+            return torch.zeros((len(self.token_ids), 0, vocab_size), device=self.token_ids.device)
+        probs = self.probs[:, :num_drafts]
+        if self.vocab_ids is None:
+            return probs
+        spread = probs.new_zeros((*probs.shape[:2], vocab_size))
+        spread[..., self.vocab_ids] = probs
+        return spread
 
 
-def apply_processors(
-    logits_processor: LogitsProcessorList,
-    prefixes: RowPrefixes,
-    extra_token_ids: torch.Tensor,
-    logits: torch.Tensor,
-) -> torch.Tensor:
-    """Applies the logits processors to one position per row, with each row's exact prefix.
+class Drafter(Protocol):
+    """Drafts blocks for the running rows of one generation, keeping whatever state it needs.
 
-    Args:
-        logits_processor: The processors ``generate()`` built (warpers included when sampling).
-        prefixes: The committed tokens.
-        extra_token_ids: ``[B, j]`` tokens after the committed ones (drafts so far; ``j`` may be 0).
-        logits: ``[B, V]`` logits of the token after them.
-
-    Returns:
-        ``[B, V]`` processed logits.
+    The loop builds one per generation from the head (``HeadDrafter(head)`` by default; any
+    ``Callable[[DSparkHead], Drafter]`` can be passed as ``dspark_drafter``).
     """
-    if not logits_processor:
-        return logits
-    processed = torch.empty_like(logits)
-    for length, rows in rows_by_length(prefixes.lengths):
-        input_ids = torch.cat([prefixes.token_ids[rows, :length], extra_token_ids[rows]], dim=1)
-        processed[rows] = _rows_view(logits_processor, prefixes.rows[rows])(input_ids, logits[rows])
-    return processed
+
+    def draft(self, request: DraftRequest) -> DraftBlock:
+        """Drafts one block per row; consumes ``request.context``."""
+        ...
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keeps only the rows ``keep`` (``[R']`` indices into the current rows) of its state."""
+        ...
 
 
-def _rows_view(logits_processor: LogitsProcessorList, rows: torch.Tensor) -> LogitsProcessorList:
-    """The processors, with per-row state restricted to ``rows`` of the original batch."""
-    view = LogitsProcessorList()
-    for processor in logits_processor:
-        per_row = getattr(processor, "prompt_ignore_length", None)  # a [B] tensor in recent releases only
-        if isinstance(processor, RepetitionPenaltyLogitsProcessor) and torch.is_tensor(per_row):
-            processor = copy.copy(processor)
-            processor.prompt_ignore_length = per_row.to(rows.device)[rows]
-        view.append(processor)
-    return view
-
-
-def draft_block(
-    head: DSparkHead,
-    anchor_ids: torch.Tensor,
-    anchor_positions: torch.Tensor,
-    context: DraftContext,
-    draft_cache: DraftKVCache,
-    logits_processor: LogitsProcessorList,
-    prefixes: RowPrefixes,
-    sampling: Sampling,
-) -> DraftBlock:
-    """Drafts ``S = head.config.num_draft_tokens`` tokens after each row's anchor.
+class HeadDrafter:
+    """Drafts with a DSpark head and its context cache (one per generation).
 
     Args:
         head: The draft head, attached to the target.
-        anchor_ids: ``[B]`` the last committed token of each row (not yet seen by the target).
-        anchor_positions: ``[B]`` int64 its absolute position.
-        context: Target features of the tokens committed since the last round; appended to
-            ``draft_cache``.
-        draft_cache: The head's context cache.
-        logits_processor: The target's processors, applied to every slot.
-        prefixes: Committed tokens per row (ending with the anchor).
-        sampling: Greedy or seeded sampling.
-
-    Returns:
-        The drafted tokens, their distributions and confidences.
     """
-    backbone = head(
-        head.block_input_ids(anchor_ids),
-        anchor_positions[:, None],
-        target_hidden_states=context.features,
-        context_position_ids=context.positions,
-        draft_cache=draft_cache,
-    )
-    draft_vocab_ids = head.draft_to_target_ids(torch.arange(head.config.draft_vocab_size, device=anchor_ids.device))
-    batch_size, vocab_size = anchor_ids.shape[0], head.config.target_vocab_size
-    prev_ids, markov_state = anchor_ids, None
-    token_ids = anchor_ids.new_empty((batch_size, 0))
-    probs, confidence_logits = [], []
-    for slot in range(head.config.num_draft_tokens):
-        step = head.draft_step(
-            backbone.base_logits[:, 0, slot], backbone.draft_hidden[:, 0, slot], prev_ids, markov_state
+
+    def __init__(self, head: DSparkHead):
+        self.head = head
+        self.draft_cache = head.new_draft_cache()
+        device = head.fc.weight.device
+        draft_ids = torch.arange(head.config.draft_vocab_size, device=device)
+        self.vocab_ids = head.draft_to_target_ids(draft_ids) if head.has_reduced_vocab else None
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Drops finished rows from the draft cache."""
+        self.draft_cache.select_rows(keep)
+
+    def draft(self, request: DraftRequest) -> DraftBlock:
+        """Drafts ``S = head.config.num_draft_tokens`` tokens after each row's anchor."""
+        head, anchor_ids = self.head, request.anchor_ids
+        backbone = head(
+            head.block_input_ids(anchor_ids),
+            request.anchor_positions[:, None],
+            target_hidden_states=request.context.features,
+            context_position_ids=request.context.positions,
+            draft_cache=self.draft_cache,
         )
-        draft_logits = step.draft_logits.float()
-        if head.has_reduced_vocab:
-            draft_logits = draft_logits.new_full((batch_size, vocab_size), float("-inf"))
-            draft_logits[:, draft_vocab_ids] = step.draft_logits.float()
-        draft_logits = apply_processors(logits_processor, prefixes, token_ids, draft_logits)
-        if sampling.greedy:
-            prev_ids = draft_logits.argmax(dim=-1)
-        else:
-            slot_probs = torch.softmax(draft_logits, dim=-1)
-            positions = anchor_positions + 1 + slot
-            prev_ids = sample(
-                slot_probs, seed=sampling.seeds, positions=positions, stream=RandomStream.DRAFT, validate=False
+        prev_ids, markov_state = anchor_ids, None
+        token_ids, probs, confidence_logits = [], [], []
+        for slot in range(head.config.num_draft_tokens):
+            step = head.draft_step(
+                backbone.base_logits[:, 0, slot], backbone.draft_hidden[:, 0, slot], prev_ids, markov_state
             )
-            probs.append(slot_probs)
-        token_ids = torch.cat([token_ids, prev_ids[:, None]], dim=1)
-        markov_state = step.markov_state
-        if step.confidence_logits is not None:
-            confidence_logits.append(step.confidence_logits)
-    return DraftBlock(
-        token_ids=token_ids,
-        probs=torch.stack(probs, dim=1) if probs else None,
-        confidence_logits=torch.stack(confidence_logits, dim=1) if confidence_logits else None,
-    )
+            draft_logits = step.draft_logits.float()
+            if request.sampling.greedy:
+                draft_ids = draft_logits.argmax(dim=-1)
+            else:
+                if request.warpers:
+                    draft_logits = request.warpers(anchor_ids[:, None], draft_logits)
+                slot_probs = torch.softmax(draft_logits, dim=-1)
+                draft_ids = sample(
+                    slot_probs, seed=request.sampling.seeds, positions=request.anchor_positions + 1 + slot,
+                    stream=RandomStream.DRAFT, validate=False,
+                )  # fmt: skip
+                probs.append(slot_probs)
+            prev_ids = draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
+            token_ids.append(prev_ids)
+            markov_state = step.markov_state
+            if step.confidence_logits is not None:
+                confidence_logits.append(step.confidence_logits)
+        return DraftBlock(
+            token_ids=torch.stack(token_ids, dim=1),
+            probs=torch.stack(probs, dim=1) if probs else None,
+            vocab_ids=self.vocab_ids,
+            confidence_logits=torch.stack(confidence_logits, dim=1).float() if confidence_logits else None,
+        )

@@ -9,103 +9,132 @@ and prepared the attention mask; this module runs the decoding itself.
    That token is the first *anchor*: committed, but not yet seen by the target.
 2. **Speculative step** (:func:`speculative_step`), repeated:
 
-   a. draft a block after each anchor: one backbone pass over the target features committed since
-      the last step, then the serial Markov head, with the target's processors applied slot by
-      slot and the sampled-from distributions kept (:func:`~spark_generate.drafting.draft_block`);
-   b. choose how many drafts each row verifies (:mod:`spark_generate.schedule`);
-   c. run the target once over ``[anchor, drafts]``, process its logits position by position and
+   a. ask the schedule whether this round drafts; if so, draft a block after each anchor
+      (:class:`~spark_generate.drafting.Drafter`) and let the schedule choose how many drafts each
+      row verifies (:mod:`spark_generate.schedule`); if not, the round is a plain decoding step;
+   b. run the target once over ``[anchor, drafts]``, process its logits position by position and
       accept a prefix plus one recovered or bonus token (:func:`~spark_generate.verify.verify_block`);
-   d. commit the emitted tokens one at a time through the stopping criteria (an EOS, a stop string
+   c. commit the emitted tokens one at a time through the stopping criteria (an EOS, a stop string
       or the length limit inside an accepted block ends the row right there);
-   e. roll back: crop the target cache after the most tokens any row kept, mark the other rows'
+   d. roll back: crop the target cache after the most tokens any row kept, mark the other rows'
       extra entries as holes in the attention mask, keep the tapped features of the kept tokens
-      as the next draft context, and drop finished rows from the batch.
+      for the next draft, and drop finished rows from every per-row state
+      (:meth:`RunningRows.select`).
 
 Rows accept different numbers of tokens (ragged acceptance): every row keeps its own absolute
 positions, and the shared cache holds holes that the mask hides. Randomness is counter-based
 Philox keyed by a per-row seed and the absolute position of each token, so a row's tokens depend
-only on its seed and its own tokens.
+only on its seed, its own tokens and the schedule's plan.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
-from spark_generate.cache import (
-    FeatureTap,
-    cache_kwarg_name,
-    check_holes_allowed,
-    crop_cache,
-    take_cache,
-    target_forward,
-)
-from spark_generate.drafting import (
-    UNSEEN_POSITION,
-    DraftContext,
-    RowPrefixes,
-    Sampling,
-    apply_processors,
-    draft_block,
-    rows_by_length,
-)
-from spark_generate.heads import DraftKVCache, DSparkHead
+from spark_generate.cache import FeatureTap, check_holes_allowed, target_forward
+from spark_generate.drafting import DraftBlock, DraftContext, Drafter, DraftRequest, HeadDrafter
+from spark_generate.heads import DSparkHead
+from spark_generate.hf import cache_kwarg_name, crop_cache, pop_prepared_inputs, take_cache, vocabulary_free_processors
+from spark_generate.profiling import cost_table_for
+from spark_generate.rows import UNSEEN_POSITION, RowPrefixes, Sampling, apply_processors, rows_by_length
 from spark_generate.sampling import sample
-from spark_generate.schedule import FixedLength, Schedule
+from spark_generate.schedule import AdaptiveSchedule, Schedule, ScheduleRun, start_schedule
 from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats, record_step, stack_per_step
 from spark_generate.verify import check_finite, verify_block
 
 __all__ = [
     "check_generation_config",
     "decode",
+    "resolve_schedule",
     "speculative_generate",
     "speculative_step",
 ]
 
+# While the schedule steps aside, the draft context of the tokens committed since the last draft
+# is kept up to this many rows per row; older ones are never shown to the head (a probing round
+# then costs one backbone pass over at most this many rows, whatever the gap).
+MAX_CATCH_UP_ROWS = 32
 
-@dataclass
-class DecodeState:
-    """Everything the loop carries between steps; per-row tensors cover the rows still running.
 
-    ``token_ids``, ``lengths`` and ``unfinished`` cover the whole batch; ``rows`` maps the running
-    rows to it, and the other tensors are indexed like ``rows``.
-    """
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What stays fixed during one generation."""
 
     target: PreTrainedModel
-    head: DSparkHead
+    num_draft_tokens: int
     logits_processor: LogitsProcessorList
+    warpers: LogitsProcessorList  # the processors that also apply to draft logits
     stopping_criteria: StoppingCriteriaList
-    schedule: Schedule
     max_length: int
-    cache: Cache
     cache_kwarg: str
     tap: FeatureTap
-    draft_cache: DraftKVCache
-    token_ids: torch.Tensor  # [B, max_length + S + 1]
-    lengths: torch.Tensor  # [B]
-    unfinished: torch.Tensor  # [B] bool
-    rows: torch.Tensor  # [R]
+    streamer: object | None
+
+
+@dataclass
+class RunningRows:
+    """Per-row state of the rows still running, all indexed alike; :meth:`select` keeps a subset.
+
+    Every field is per-row: a tensor whose first dimension is the row, a value with
+    ``select_rows(keep)``, or a cache (target or draft) that drops rows in place.
+    """
+
+    rows: torch.Tensor  # [R] index of each running row in the batch
     sampling: Sampling  # seeds [R]
     anchor_positions: torch.Tensor  # [R]
     cache_mask: torch.Tensor  # [R, C]
     context: DraftContext  # [R, C_new, ·]
+    cache: Cache
+    drafter: Drafter
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keeps the rows ``keep`` (``[R']`` indices into the running rows) in every field."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, field.name, value[keep])
+            elif isinstance(value, Cache):
+                value.batch_select_indices(keep)
+            elif isinstance(value, (Sampling, DraftContext)):
+                setattr(self, field.name, value.select_rows(keep))
+            else:
+                value.select_rows(keep)
+
+
+@dataclass
+class DecodeState:
+    """The loop's state: fixed settings, the running rows, and the whole batch's tokens and reports.
+
+    ``token_ids``, ``lengths`` and ``unfinished`` cover the whole batch; ``running.rows`` maps the
+    running rows to it.
+    """
+
+    settings: DecodeSettings
+    running: RunningRows
+    schedule: ScheduleRun
+    token_ids: torch.Tensor  # [B, max_length + S + 1]
+    lengths: torch.Tensor  # [B]
+    unfinished: torch.Tensor  # [B] bool
     stats: SpeculativeStats
     scores: list[list[torch.Tensor]] | None = None  # per row, per token: processed logits [V]
     raw_logits: list[list[torch.Tensor]] | None = None
-    streamer: object | None = None
 
     @property
     def prefixes(self) -> RowPrefixes:
         """The committed tokens of the running rows."""
-        return RowPrefixes(self.token_ids[self.rows], self.lengths[self.rows], self.rows)
+        rows = self.running.rows
+        return RowPrefixes(self.token_ids[rows], self.lengths[rows], rows)
 
     @property
     def anchor_ids(self) -> torch.Tensor:
         """``[R]`` the last committed token of each running row."""
-        return self.token_ids[self.rows, self.lengths[self.rows] - 1]
+        rows = self.running.rows
+        return self.token_ids[rows, self.lengths[rows] - 1]
 
 
 @torch.no_grad()
@@ -118,7 +147,8 @@ def decode(
     dspark_head: DSparkHead | None = None,
     dspark_streamer: object | None = None,
     dspark_seed: int | torch.Tensor | None = None,
-    dspark_schedule: Schedule | None = None,
+    dspark_schedule: Schedule | AdaptiveSchedule | None = None,
+    dspark_drafter: Callable[[DSparkHead], Drafter] | None = None,
     **model_kwargs: object,
 ) -> torch.Tensor | DSparkGenerateOutput:
     """DSpark decoding as a ``custom_generate`` callable for any Transformers causal LM.
@@ -144,9 +174,13 @@ def decode(
         dspark_streamer: A Transformers streamer (batch size 1); gets the prompt, then each
             committed chunk.
         dspark_seed: Philox seed: an ``int`` (per-row seeds derived from it) or int64 ``[B]``
-            (a row's output then depends only on its seed); None draws seeds from torch's global
-            generator, so ``torch.manual_seed`` makes runs reproducible.
-        dspark_schedule: How many drafts to verify per step; default :class:`FixedLength` (all).
+            (a row's output then depends only on its seed and the schedule's plan); None draws
+            seeds from torch's global generator, so ``torch.manual_seed`` makes runs reproducible.
+        dspark_schedule: How many drafts to verify per step, and whether to draft at all; default
+            :class:`~spark_generate.schedule.AdaptiveSchedule`.
+        dspark_drafter: Builds the drafter of this generation from the head, instead of
+            :class:`~spark_generate.drafting.HeadDrafter` (the head still names the tapped layers
+            and the block size); for tests and other drafters.
         **model_kwargs: ``attention_mask`` and the cache ``generate()`` prepared.
 
     Returns:
@@ -160,8 +194,7 @@ def decode(
         )
     attention_mask = model_kwargs.pop("attention_mask", None)
     cache = take_cache(model, model_kwargs)
-    for prepared in ("position_ids", "logits_to_keep", "use_cache"):
-        model_kwargs.pop(prepared, None)
+    pop_prepared_inputs(model_kwargs)
     unsupported = sorted(name for name, value in model_kwargs.items() if value is not None)
     if unsupported:
         raise ValueError(
@@ -171,7 +204,7 @@ def decode(
     return speculative_generate(
         model, dspark_head, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         generation_config=generation_config, attention_mask=attention_mask, schedule=dspark_schedule,
-        seed=dspark_seed, streamer=dspark_streamer, cache=cache,
+        seed=dspark_seed, streamer=dspark_streamer, cache=cache, drafter=dspark_drafter,
     )  # fmt: skip
 
 
@@ -184,14 +217,16 @@ def speculative_generate(
     stopping_criteria: StoppingCriteriaList,
     generation_config: GenerationConfig,
     attention_mask: torch.Tensor | None = None,
-    schedule: Schedule | None = None,
+    schedule: Schedule | AdaptiveSchedule | None = None,
     seed: int | torch.Tensor | None = None,
     streamer: object | None = None,
     cache: Cache | None = None,
+    drafter: Callable[[DSparkHead], Drafter] | None = None,
 ) -> torch.Tensor | DSparkGenerateOutput:
     """Prefills, then runs speculative steps until every row has stopped (arguments as in :func:`decode`)."""
     check_generation_config(generation_config)
     head.attach(target)
+    schedule = resolve_schedule(schedule)
     batch_size, prompt_length = input_ids.shape
     if prompt_length == 0:
         raise ValueError(
@@ -210,11 +245,15 @@ def speculative_generate(
     num_drafts = head.config.num_draft_tokens
     max_new_tokens = generation_config.max_length - prompt_length
     check_holes_allowed(target, batch_size, generation_config.max_length + max_new_tokens * num_drafts)
+    cost_table = None
+    if isinstance(schedule, AdaptiveSchedule) and schedule.cost_table is None:
+        cost_table = cost_table_for(target, head, batch_size)
     pad_token_id = _pad_token_id(generation_config)
     token_ids = input_ids.new_full((batch_size, generation_config.max_length + num_drafts + 1), pad_token_id or 0)
     token_ids[:, :prompt_length] = input_ids
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    greedy = not generation_config.do_sample
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
@@ -222,26 +261,49 @@ def speculative_generate(
         cache_kwarg = cache_kwarg_name(target)
         with FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device) as tap:
             logits, context = prefill(target, tap, input_ids, attention_mask, cache, cache_kwarg)
-            state = DecodeState(
-                target=target, head=head, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                schedule=schedule or FixedLength(), max_length=generation_config.max_length, cache=cache,
-                cache_kwarg=cache_kwarg, tap=tap, draft_cache=head.new_draft_cache(), token_ids=token_ids,
-                lengths=torch.full((batch_size,), prompt_length, device=input_ids.device),
-                unfinished=torch.ones(batch_size, dtype=torch.bool, device=input_ids.device),
+            settings = DecodeSettings(
+                target=target, num_draft_tokens=num_drafts, logits_processor=logits_processor,
+                warpers=LogitsProcessorList() if greedy else vocabulary_free_processors(logits_processor),
+                stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
+                cache_kwarg=cache_kwarg, tap=tap, streamer=streamer,
+            )  # fmt: skip
+            running = RunningRows(
                 rows=torch.arange(batch_size, device=input_ids.device),
-                sampling=Sampling(not generation_config.do_sample, _row_seeds(seed, batch_size, input_ids.device)),
+                sampling=Sampling(greedy, _row_seeds(seed, batch_size, input_ids.device)),
                 anchor_positions=attention_mask.long().sum(dim=1), cache_mask=attention_mask, context=context,
+                cache=cache, drafter=(drafter or HeadDrafter)(head),
+            )  # fmt: skip
+            state = DecodeState(
+                settings=settings, running=running, schedule=start_schedule(schedule, cost_table, num_drafts),
+                token_ids=token_ids, lengths=torch.full((batch_size,), prompt_length, device=input_ids.device),
+                unfinished=torch.ones(batch_size, dtype=torch.bool, device=input_ids.device),
                 stats=SpeculativeStats.zeros(batch_size, num_drafts),
                 scores=[[] for _ in range(batch_size)] if want_scores else None,
-                raw_logits=[[] for _ in range(batch_size)] if want_logits else None, streamer=streamer,
+                raw_logits=[[] for _ in range(batch_size)] if want_logits else None,
             )  # fmt: skip
             commit_first_token(state, logits)
-            while len(state.rows):
+            while len(state.running.rows):
                 speculative_step(state)
     finally:
         if streamer is not None:
             streamer.end()
     return _outputs(state, generation_config, pad_token_id)
+
+
+def resolve_schedule(schedule: Schedule | AdaptiveSchedule | None) -> Schedule | AdaptiveSchedule:
+    """The schedule to use: the given one, or :class:`AdaptiveSchedule` by default.
+
+    Raises:
+        ValueError: ``schedule`` is not a schedule object (a string, say).
+    """
+    if schedule is None:
+        return AdaptiveSchedule()
+    if isinstance(schedule, AdaptiveSchedule) or (callable(schedule) and not isinstance(schedule, (str, type))):
+        return schedule
+    raise ValueError(
+        f"schedule={schedule!r} is not a schedule; expected a schedule object from spark_generate.schedule: "
+        "AdaptiveSchedule() (the default), FixedLength(), ConfidenceThreshold(0.5) or GoodputSchedule(cost_table)."
+    )
 
 
 def prefill(
@@ -264,53 +326,62 @@ def prefill(
 
 def commit_first_token(state: DecodeState, logits: torch.Tensor) -> None:
     """Chooses and commits the token after each prompt from the prefill's ``[B, V]`` logits."""
-    scores = apply_processors(state.logits_processor, state.prefixes, state.token_ids[:, :0], logits)
-    if state.sampling.greedy:
+    running = state.running
+    scores = apply_processors(state.settings.logits_processor, state.prefixes, state.token_ids[:, :0], logits)
+    if running.sampling.greedy:
         first_ids = scores.argmax(dim=-1)
     else:
         probs = torch.softmax(scores, dim=-1)
-        first_ids = sample(probs, seed=state.sampling.seeds, positions=state.anchor_positions, validate=False)
+        first_ids = sample(probs, seed=running.sampling.seeds, positions=running.anchor_positions, validate=False)
     commit(state, first_ids[:, None], torch.ones_like(first_ids), scores[:, None], logits[:, None])
     drop_finished_rows(state)
 
 
 def speculative_step(state: DecodeState) -> None:
-    """Drafts, verifies and commits one block for every running row (see the module docstring)."""
-    head, num_rows = state.head, len(state.rows)
-    start = time.perf_counter()
-    block = draft_block(
-        head, state.anchor_ids, state.anchor_positions, state.context, state.draft_cache,
-        state.logits_processor, state.prefixes, state.sampling,
-    )  # fmt: skip
-    num_drafts = head.config.num_draft_tokens
-    num_verified = state.schedule(block.confidence_logits, num_rows, num_drafts).to(state.rows.device)
-    budget = state.max_length - state.lengths[state.rows] - 1  # a row never emits past max_length
-    num_verified = torch.minimum(num_verified, budget.clamp(min=0))
+    """Drafts (or not), verifies and commits one block for every running row (see the module docstring)."""
+    settings, running = state.settings, state.running
+    num_rows, start = len(running.rows), time.perf_counter()
+    anchor_ids, prefixes = state.anchor_ids, state.prefixes
+    drafting = state.schedule.should_draft()
+    if drafting:
+        request = DraftRequest(
+            anchor_ids, running.anchor_positions, running.context, prefixes, running.sampling, settings.warpers
+        )
+        block = running.drafter.draft(request)
+        running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache
+        num_verified = state.schedule.lengths(block.confidence_logits, num_rows, settings.num_draft_tokens)
+    else:
+        block, num_verified = DraftBlock.nothing(anchor_ids), torch.zeros(num_rows, dtype=torch.int64)
+    budget = settings.max_length - state.lengths[running.rows] - 1  # a row never emits past max_length
+    num_verified = torch.minimum(num_verified.to(budget.device), budget.clamp(min=0))
     width = int(num_verified.max()) + 1
     verify_start = time.perf_counter()
 
-    block_ids = torch.cat([state.anchor_ids[:, None], block.token_ids[:, : width - 1]], dim=1)
-    block_positions = state.anchor_positions[:, None] + torch.arange(width, device=block_ids.device)
-    attention_mask = torch.cat([state.cache_mask, state.cache_mask.new_ones(num_rows, width)], dim=1)
+    block_ids = torch.cat([anchor_ids[:, None], block.token_ids[:, : width - 1]], dim=1)
+    block_positions = running.anchor_positions[:, None] + torch.arange(width, device=block_ids.device)
+    attention_mask = torch.cat([running.cache_mask, running.cache_mask.new_ones(num_rows, width)], dim=1)
     target_logits = target_forward(
-        state.target, block_ids, cache=state.cache, cache_kwarg=state.cache_kwarg,
+        settings.target, block_ids, cache=running.cache, cache_kwarg=settings.cache_kwarg,
         attention_mask=attention_mask, position_ids=block_positions, num_logits=width,
     )  # fmt: skip
     verdict = verify_block(
-        target_logits, block, num_verified, state.anchor_positions, state.logits_processor, state.prefixes,
-        state.sampling,
+        target_logits, block, num_verified, running.anchor_positions, settings.logits_processor, prefixes,
+        running.sampling,
     )  # fmt: skip
-    record_step(state.stats, state.rows, num_verified, verdict.num_accepted, start, verify_start)
+    if drafting:
+        state.schedule.record(num_verified, verdict.num_emitted)
+    record_step(state.stats, running.rows, num_verified, verdict.num_accepted, drafting, start, verify_start)
 
     commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits.float())
     kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
-    crop_cache(state.cache, state.cache_mask.shape[1] + kept)
-    slots = torch.arange(kept, device=block_ids.device)
-    kept_mask = slots[None] < verdict.num_emitted[:, None]
-    state.cache_mask = torch.cat([state.cache_mask, kept_mask.to(state.cache_mask.dtype)], dim=1)
-    context_positions = torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
-    state.context = DraftContext(state.tap.take()[:, :kept], context_positions)
-    state.anchor_positions = state.anchor_positions + verdict.num_emitted
+    crop_cache(running.cache, running.cache_mask.shape[1] + kept)
+    kept_mask = torch.arange(kept, device=block_ids.device)[None] < verdict.num_emitted[:, None]
+    running.cache_mask = torch.cat([running.cache_mask, kept_mask.to(running.cache_mask.dtype)], dim=1)
+    new_context = DraftContext(
+        settings.tap.take()[:, :kept], torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
+    )
+    running.context = running.context.extend(new_context, max_rows=MAX_CATCH_UP_ROWS)
+    running.anchor_positions = running.anchor_positions + verdict.num_emitted
     drop_finished_rows(state)
 
 
@@ -330,44 +401,42 @@ def commit(
         scores: ``[R, W, V]`` processed logits each token was chosen from.
         raw_logits: ``[R, W, V]`` the target's raw logits for them.
     """
-    start_lengths = state.lengths[state.rows].clone()
+    settings, running_rows = state.settings, state.running.rows
+    start_lengths = state.lengths[running_rows].clone()
     for slot in range(int(num_emitted.max())):
-        live = (slot < num_emitted) & state.unfinished[state.rows]
+        live = (slot < num_emitted) & state.unfinished[running_rows]
         if not live.any():
             break
-        rows = state.rows[live]
+        rows = running_rows[live]
         state.token_ids[rows, state.lengths[rows]] = token_ids[live, slot]
         state.lengths[rows] += 1
-        stop = state.lengths[rows] >= state.max_length
+        stop = state.lengths[rows] >= settings.max_length
         for length, group in rows_by_length(state.lengths[rows]):
             group_scores = scores[live, slot][group]
-            stop[group] |= state.stopping_criteria(state.token_ids[rows[group], :length], group_scores).to(stop.device)
+            stop[group] |= settings.stopping_criteria(state.token_ids[rows[group], :length], group_scores).to(
+                stop.device
+            )
         state.unfinished[rows] &= ~stop
         for recorded, values in ((state.scores, scores), (state.raw_logits, raw_logits)):
             if recorded is not None:
                 for row, row_values in zip(rows.tolist(), values[live, slot], strict=True):
                     recorded[row].append(row_values)
-    if state.streamer is not None:  # batch size 1: the only row is row 0
+    if settings.streamer is not None:  # batch size 1: the only row is row 0
         chunk = state.token_ids[0, int(start_lengths[0]) : int(state.lengths[0])]
         if len(chunk):
-            state.streamer.put(chunk.cpu())
+            settings.streamer.put(chunk.cpu())
 
 
 def drop_finished_rows(state: DecodeState) -> None:
-    """Removes finished rows from every per-row tensor and from both caches."""
-    running = state.unfinished[state.rows]
+    """Removes finished rows from every per-row state (see :meth:`RunningRows.select`)."""
+    running = state.unfinished[state.running.rows]
     if bool(running.all()):
         return
     keep = running.nonzero()[:, 0]
-    state.rows = state.rows[keep]
-    if not len(keep):
+    if not len(keep):  # everything stopped: nothing left to select in the caches
+        state.running.rows = keep
         return
-    state.cache.batch_select_indices(keep)
-    state.draft_cache.select_rows(keep)
-    state.sampling = Sampling(state.sampling.greedy, state.sampling.seeds[keep])
-    state.anchor_positions = state.anchor_positions[keep]
-    state.cache_mask = state.cache_mask[keep]
-    state.context = DraftContext(state.context.features[keep], state.context.positions[keep])
+    state.running.select(keep)
 
 
 def check_generation_config(generation_config: GenerationConfig) -> None:

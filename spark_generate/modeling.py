@@ -15,29 +15,28 @@ decoding strategy (:func:`spark_generate.generation.decode`), so every input pre
 Without a head it *is* the target's ``generate()``.
 
 The wrapper intercepts the arguments ``generate()`` would refuse or not forward to a decoding
-callable: ``assistant``, ``streamer``, ``seed``, ``schedule``, and ``stop_strings`` with its
-``tokenizer`` (turned into a :class:`~transformers.StopStringCriteria`).
+callable: ``assistant`` (also accepted under Transformers' own name ``assistant_model`` when it is
+a DSpark head), ``streamer``, ``seed``, ``schedule``, and ``stop_strings`` with its ``tokenizer``
+(turned into a :class:`~transformers.StopStringCriteria` by :mod:`spark_generate.hf`). A head
+loaded from a folder that holds a ``calibration.json`` (STS temperatures) plans the default
+schedule with its calibrated confidences.
 """
 
 from __future__ import annotations
 
-import copy
 import os
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    PreTrainedModel,
-    StoppingCriteriaList,
-    StopStringCriteria,
-)
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, StoppingCriteriaList
 
 from spark_generate.generation import decode
 from spark_generate.heads import DSparkHead
-from spark_generate.schedule import Schedule
+from spark_generate.hf import route_generate_arguments
+from spark_generate.schedule import AdaptiveSchedule, Schedule, load_calibration
 from spark_generate.telemetry import DSparkGenerateOutput
 
 __all__ = ["DSparkForCausalLM"]
@@ -61,6 +60,8 @@ class DSparkForCausalLM(nn.Module):
                 "Load the target with AutoModelForCausalLM.from_pretrained(...)."
             )
         self.model = model
+        # STS temperatures of the heads loaded from folders that hold a calibration.json
+        self._temperatures: weakref.WeakKeyDictionary[DSparkHead, torch.Tensor] = weakref.WeakKeyDictionary()
         self.head = None if head is None else self._load_head(head)
 
     @classmethod
@@ -92,7 +93,11 @@ class DSparkForCausalLM(nn.Module):
         """Loads a head if given by name, places it next to the target's LM head, and attaches it."""
         lm_head_weight = self.model.get_output_embeddings().weight
         if not isinstance(head, DSparkHead):
+            calibration = Path(head) / "calibration.json"
+            temperatures = load_calibration(calibration) if calibration.is_file() else None
             head = DSparkHead.from_pretrained(head, dtype=lm_head_weight.dtype, device=lm_head_weight.device)
+            if temperatures is not None:
+                self._temperatures[head] = temperatures
         return head.attach(self.model)
 
     @torch.no_grad()
@@ -104,22 +109,25 @@ class DSparkForCausalLM(nn.Module):
         assistant: HeadLike | None = None,
         streamer: Any = None,
         seed: int | torch.Tensor | None = None,
-        schedule: Schedule | None = None,
+        schedule: Schedule | AdaptiveSchedule | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | DSparkGenerateOutput | Any:
         """Generates like ``model.generate``, drafting with ``assistant`` (or the default head).
 
         Args:
-            inputs: ``[B, P]`` prompt ids (left-padded for ``B > 1``), as for ``generate()``.
+            inputs: ``[B, P]`` prompt ids (left-padded for ``B > 1``), as for ``generate()``; a
+                list of token ids (or of equal-length lists) is accepted too.
             generation_config: As for ``generate()``.
             assistant: A :class:`DSparkHead`, a local folder or a Hub id; default: ``self.head``.
-                Without any head this is plain ``generate()``.
+                Without any head this is plain ``generate()``. ``assistant_model=`` is accepted for
+                a DSpark head too.
             streamer: A Transformers streamer (batch size 1): the prompt, then each committed chunk.
             seed: Philox seed for sampling: ``int`` or int64 ``[B]`` per row (see
                 :func:`spark_generate.decode`); None draws from torch's global generator.
             schedule: How many drafts to verify per step (:mod:`spark_generate.schedule`);
-                default: the whole block.
+                default: :class:`~spark_generate.schedule.AdaptiveSchedule`, with the head's
+                calibration when it was loaded from a folder that has one.
             stopping_criteria: Extra stopping criteria, as for ``generate()``.
             **kwargs: Everything else ``generate()`` accepts (``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``stop_strings`` with ``tokenizer``, ``attention_mask``, ...).
@@ -132,6 +140,13 @@ class DSparkForCausalLM(nn.Module):
             ValueError: An unsupported decoding mode (beam search, contrastive search), a head
                 built for another target, or invalid inputs.
         """
+        inputs = _as_input_ids(inputs, self.model.device)
+        if isinstance(kwargs.get("assistant_model"), (DSparkHead, str, os.PathLike)):
+            if assistant is not None:
+                raise ValueError(
+                    "got both assistant= and assistant_model=; pass the DSpark head once, as assistant=head."
+                )
+            assistant = kwargs.pop("assistant_model")
         head = self._load_head(assistant) if assistant is not None else self.head
         if head is None:
             return self.model.generate(
@@ -142,19 +157,9 @@ class DSparkForCausalLM(nn.Module):
                 "got both a DSpark head and assistant_model=; pass the DSpark head as assistant= and drop "
                 "assistant_model (which selects Transformers' own assisted decoding)."
             )
-        tokenizer = kwargs.pop("tokenizer", None)
-        stop_strings = kwargs.pop("stop_strings", None)
-        if generation_config is not None and generation_config.stop_strings is not None:
-            stop_strings = stop_strings or generation_config.stop_strings
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.stop_strings = None
-        if stop_strings is not None:
-            if tokenizer is None:
-                raise ValueError(
-                    f"stop_strings={stop_strings!r} needs the tokenizer: pass tokenizer=... to generate()."
-                )
-            stop = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
-            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
+        if schedule is None and head in self._temperatures:
+            schedule = AdaptiveSchedule(temperatures=self._temperatures[head])
+        generation_config, stopping_criteria = route_generate_arguments(generation_config, stopping_criteria, kwargs)
         return self.model.generate(
             inputs,
             generation_config,
@@ -166,3 +171,22 @@ class DSparkForCausalLM(nn.Module):
             dspark_schedule=schedule,
             **kwargs,
         )
+
+
+def _as_input_ids(inputs: Any, device: torch.device) -> torch.Tensor | None:
+    """``inputs`` as an int64 ``[B, P]`` tensor: a tensor, a list of ids, or a list of equal-length lists.
+
+    Raises:
+        ValueError: Lists of different lengths (they need padding and an attention mask).
+    """
+    if inputs is None or isinstance(inputs, torch.Tensor):
+        return inputs
+    if isinstance(inputs, (list, tuple)):
+        rows = [list(inputs)] if all(isinstance(token, int) for token in inputs) else [list(row) for row in inputs]
+        if rows and len({len(row) for row in rows}) == 1:
+            return torch.tensor(rows, dtype=torch.long, device=device)
+        raise ValueError(
+            f"inputs is a list of {len(rows)} prompts of lengths {sorted({len(row) for row in rows})}; expected "
+            "equal lengths. Pad them: tokenizer(prompts, padding=True, padding_side='left', return_tensors='pt')."
+        )
+    raise ValueError(f"inputs is a {type(inputs).__name__}; expected a [B, P] tensor of token ids (or a list of ids).")

@@ -24,9 +24,11 @@ class SpeculativeStats:
     """Per-row statistics of one speculative generation (``return_dict_in_generate=True``).
 
     Attributes:
-        num_rounds: ``[B]`` speculative steps each row took part in.
+        num_rounds: ``[B]`` target forwards each row took part in (drafted rounds and plain steps).
         num_drafted: ``[B]`` drafts verified.
         num_accepted: ``[B]`` drafts accepted.
+        num_plain_steps: ``[B]`` of ``num_rounds``, the plain decoding steps (the schedule stepped
+            aside and nothing was drafted).
         verified_by_position: ``[B, S]`` how often draft slot ``j`` was verified.
         accepted_by_position: ``[B, S]`` how often it was accepted.
         draft_seconds: Wall time spent drafting and scheduling.
@@ -36,6 +38,7 @@ class SpeculativeStats:
     num_rounds: torch.Tensor
     num_drafted: torch.Tensor
     num_accepted: torch.Tensor
+    num_plain_steps: torch.Tensor
     verified_by_position: torch.Tensor
     accepted_by_position: torch.Tensor
     draft_seconds: float = 0.0
@@ -44,13 +47,13 @@ class SpeculativeStats:
     @classmethod
     def zeros(cls, batch_size: int, num_draft_tokens: int) -> SpeculativeStats:
         """Empty statistics for ``batch_size`` rows and blocks of ``num_draft_tokens`` drafts."""
-        counts = [torch.zeros(batch_size, dtype=torch.int64) for _ in range(3)]
+        counts = [torch.zeros(batch_size, dtype=torch.int64) for _ in range(4)]
         positions = [torch.zeros(batch_size, num_draft_tokens, dtype=torch.int64) for _ in range(2)]
         return cls(*counts, *positions)
 
     @property
     def tau(self) -> torch.Tensor:
-        """``[B]`` mean tokens emitted per step (accepted drafts plus the bonus or recovered token)."""
+        """``[B]`` mean tokens emitted per target forward (accepted drafts plus the bonus or recovered token)."""
         return (self.num_accepted + self.num_rounds) / self.num_rounds.clamp(min=1)
 
     @property
@@ -60,12 +63,16 @@ class SpeculativeStats:
 
     def summary(self) -> str:
         """A few human-readable lines: tau, acceptance per slot, and where the time went."""
-        rates = " ".join(f"{rate:.2f}" for rate in self.acceptance_by_position.tolist())
+        verified = self.verified_by_position.sum(0).tolist()
+        rates = " ".join(
+            f"{rate:.2f}" if count else "n/a"
+            for rate, count in zip(self.acceptance_by_position.tolist(), verified, strict=True)
+        )
         total_rounds = int(self.num_rounds.sum())
         tau = (self.num_accepted.sum() + total_rounds) / max(total_rounds, 1)
         return (
-            f"DSpark: {total_rounds} row-steps, tau {float(tau):.2f} tokens/step "
-            f"({int(self.num_accepted.sum())}/{int(self.num_drafted.sum())} drafts accepted)\n"
+            f"DSpark: {total_rounds} row-steps ({int(self.num_plain_steps.sum())} plain), tau {float(tau):.2f} "
+            f"tokens/step ({int(self.num_accepted.sum())}/{int(self.num_drafted.sum())} drafts accepted)\n"
             f"  acceptance by draft position: {rates}\n"
             f"  time: draft {self.draft_seconds:.3f}s, verify {self.verify_seconds:.3f}s"
         )
@@ -86,11 +93,13 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
 
 def record_step(
     stats: SpeculativeStats, rows: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor,
-    start: float, verify_start: float,
+    drafted: bool, start: float, verify_start: float,
 ) -> None:  # fmt: skip
-    """Adds one speculative step of the running ``rows`` to ``stats`` (timings from ``start``)."""
+    """Adds one step of the running ``rows`` to ``stats`` (``drafted``: not a plain step; timings from ``start``)."""
     rows, num_verified, num_accepted = rows.cpu(), num_verified.cpu(), num_accepted.cpu()
     stats.num_rounds[rows] += 1
+    if not drafted:
+        stats.num_plain_steps[rows] += 1
     stats.num_drafted[rows] += num_verified
     stats.num_accepted[rows] += num_accepted
     slots = torch.arange(stats.verified_by_position.shape[1])

@@ -11,8 +11,9 @@ Logits are processed in float32, as plain ``generate()`` does. Greedy decoding a
 iff it equals the target's argmax and then emits the argmax: the rejection sampler's greedy rule,
 computed from ``[B, W]`` argmaxes without materialising one-hot ``[B, W, V]`` distributions.
 Sampling passes ``softmax(processed logits)`` and the draft
-distributions recorded while drafting, with Philox draws keyed by each row's seed and the
-absolute position of the token.
+distributions recorded while drafting (laid over the target vocabulary), with Philox draws keyed
+by each row's seed and the absolute position of the token. A block of width 1 (no drafts) is a
+plain decoding step: the bonus token is drawn exactly as :func:`~spark_generate.sample` draws it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
-from spark_generate.drafting import DraftBlock, RowPrefixes, Sampling, apply_processors
+from spark_generate.drafting import DraftBlock
 from spark_generate.kernels import rejection_sample
+from spark_generate.rows import RowPrefixes, Sampling, apply_processors
 
 __all__ = ["Verdict", "check_finite", "verify_block"]
 
@@ -127,8 +129,10 @@ def verify_block(
     if sampling.greedy:
         token_ids, num_emitted = _greedy_verdict(target_scores.argmax(dim=-1), draft_token_ids, num_verified)
     else:
+        target_probs = torch.softmax(target_scores, dim=-1)
+        draft_probs = block.target_probs(width - 1, target_probs.shape[-1])
         token_ids, num_emitted = rejection_sample(
-            torch.softmax(target_scores, dim=-1), block.probs[:, : width - 1], draft_token_ids, num_verified,
+            target_probs, draft_probs, draft_token_ids, num_verified,
             seed=sampling.seeds, positions=anchor_positions + 1, validate=False,
         )  # fmt: skip
     return Verdict(token_ids, num_emitted, target_scores)

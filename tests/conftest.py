@@ -6,9 +6,12 @@ through Triton's CPU interpreter. Hypothesis profiles are sized for a 2-core CI 
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Cost tables profiled by the default schedule go to a fresh folder, not the user's cache.
+os.environ.setdefault("SPARK_GENERATE_CACHE", tempfile.mkdtemp(prefix="spark-generate-tests-"))
 
 import importlib.util
 

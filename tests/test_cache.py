@@ -5,7 +5,8 @@ import torch
 from test_generation import prompts, tiny_target
 from transformers import DynamicCache
 
-from spark_generate.cache import FeatureTap, cache_kwarg_name, crop_cache, take_cache, target_forward
+from spark_generate.cache import FeatureTap, target_forward
+from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
 
 
 @pytest.fixture(scope="module")

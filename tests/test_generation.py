@@ -23,7 +23,8 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import spark_generate.generation as generation
-from spark_generate import decode
+from spark_generate import FixedLength, decode
+from spark_generate.drafting import HeadDrafter
 from spark_generate.heads import DSparkHead
 
 VOCAB = 128
@@ -82,32 +83,43 @@ def llama():
     return tiny_target("llama")
 
 
-def oracle(reference: torch.Tensor, corrupt_seed: int | None = None, inspect=None):
-    """A drop-in for ``draft_block`` whose drafts are the known greedy continuation ``reference``.
+class OracleDrafter:
+    """Drafts the known greedy continuation ``reference`` instead of the head's drafts.
 
     With ``corrupt_seed``, each row's block is wrong from a random slot on (ragged acceptance).
     ``inspect(block, head, anchor_ids, prefixes)`` sees the head's own block first.
     """
-    generator = torch.Generator().manual_seed(corrupt_seed or 0)
-    real_draft_block = generation.draft_block
 
-    def draft_block(head, anchor_ids, anchor_positions, context, draft_cache, processors, prefixes, sampling):
-        block = real_draft_block(
-            head, anchor_ids, anchor_positions, context, draft_cache, processors, prefixes, sampling
-        )
-        if inspect is not None:
-            inspect(block, head, anchor_ids, prefixes)
+    def __init__(self, head, reference: torch.Tensor, corrupt_seed: int | None = None, inspect=None):
+        self.head, self.inner = head, HeadDrafter(head)
+        self.reference, self.corrupt_seed, self.inspect = reference, corrupt_seed, inspect
+        self.generator = torch.Generator().manual_seed(corrupt_seed or 0)
+
+    def select_rows(self, keep):
+        self.inner.select_rows(keep)
+
+    def draft(self, request):
+        block = self.inner.draft(request)
+        if self.inspect is not None:
+            self.inspect(block, self.head, request.anchor_ids, request.prefixes)
+        reference, prefixes = self.reference, request.prefixes
         num_drafts = block.token_ids.shape[1]
         padded = torch.cat([reference, reference.new_full((reference.shape[0], num_drafts + 1), PAD)], dim=1)
         drafts = torch.stack([padded[row, length : length + num_drafts] for row, length in zip(
             _rows(prefixes, reference), prefixes.lengths.tolist(), strict=True)])  # fmt: skip
-        if corrupt_seed is not None:
-            first_wrong = torch.randint(0, num_drafts + 1, (len(drafts), 1), generator=generator)
+        if self.corrupt_seed is not None:
+            first_wrong = torch.randint(0, num_drafts + 1, (len(drafts), 1), generator=self.generator)
             wrong = torch.arange(num_drafts)[None] >= first_wrong
             drafts = torch.where(wrong, (drafts + 1) % VOCAB, drafts)
         return replace(block, token_ids=drafts)
 
-    return draft_block
+
+def oracle(reference: torch.Tensor, corrupt_seed: int | None = None, inspect=None) -> dict:
+    """``generate()`` keywords that draft with an :class:`OracleDrafter` and verify every slot."""
+    return {
+        "dspark_drafter": lambda head: OracleDrafter(head, reference, corrupt_seed, inspect),
+        "dspark_schedule": FixedLength(),
+    }
 
 
 def _rows(prefixes, reference: torch.Tensor) -> list[int]:
@@ -138,14 +150,14 @@ def test_untrained_head_matches_plain_greedy(target, batch_size):
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
-def test_oracle_drafts_are_accepted_in_full(target, batch_size, monkeypatch):
+def test_oracle_drafts_are_accepted_in_full(target, batch_size):
     input_ids, attention_mask = prompts(batch_size)
     head = tiny_head(target, block_size=5)
     plain = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=31)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain))
+    drafting = oracle(plain)
     spec = target.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=31, custom_generate=decode,
-        dspark_head=head, return_dict_in_generate=True,
+        dspark_head=head, return_dict_in_generate=True, **drafting,
     )  # fmt: skip
     assert torch.equal(plain, spec.sequences)
     stats = spec.dspark_stats
@@ -155,14 +167,14 @@ def test_oracle_drafts_are_accepted_in_full(target, batch_size, monkeypatch):
 
 
 @pytest.mark.parametrize("corrupt_seed", [0, 1, 2])
-def test_ragged_acceptance_with_left_padding(target, corrupt_seed, monkeypatch):
+def test_ragged_acceptance_with_left_padding(target, corrupt_seed):
     input_ids, attention_mask = prompts(5)
     head = tiny_head(target, block_size=4)
     plain = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=25)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed))
+    drafting = oracle(plain, corrupt_seed)
     spec = target.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=25, custom_generate=decode,
-        dspark_head=head, return_dict_in_generate=True,
+        dspark_head=head, return_dict_in_generate=True, **drafting,
     )  # fmt: skip
     assert torch.equal(plain, spec.sequences)
     accepted = spec.dspark_stats.num_accepted
@@ -170,19 +182,19 @@ def test_ragged_acceptance_with_left_padding(target, corrupt_seed, monkeypatch):
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 6, 9])
-def test_max_new_tokens_mid_block(llama, max_new_tokens, monkeypatch):
+def test_max_new_tokens_mid_block(llama, max_new_tokens):
     input_ids, attention_mask = prompts(2)
     plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain))
+    drafting = oracle(plain)
     spec = llama.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=max_new_tokens,
-        custom_generate=decode, dspark_head=tiny_head(llama, block_size=4),
+        custom_generate=decode, dspark_head=tiny_head(llama, block_size=4), **drafting,
     )  # fmt: skip
     assert torch.equal(plain, spec)
 
 
 @pytest.mark.parametrize("eos_slots", [[5], [5, 11]])
-def test_eos_inside_an_accepted_block(llama, eos_slots, monkeypatch):
+def test_eos_inside_an_accepted_block(llama, eos_slots):
     """EOS ids taken from the plain output, so the oracle's accepted blocks contain them."""
     input_ids, attention_mask = prompts(3)
     prompt_length = input_ids.shape[1]
@@ -191,11 +203,12 @@ def test_eos_inside_an_accepted_block(llama, eos_slots, monkeypatch):
     kwargs = {"attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 20, "eos_token_id": eos_ids}
     plain = llama.generate(input_ids, **kwargs)
     assert plain.shape[1] < free.shape[1] or (plain == PAD).any()  # the EOS really stopped something
-    monkeypatch.setattr(generation, "draft_block", oracle(plain))
+    drafting = oracle(plain)
     head = tiny_head(llama, block_size=6)
     spec = llama.generate(
-        input_ids, custom_generate=decode, dspark_head=head, return_dict_in_generate=True, output_scores=True, **kwargs
-    )
+        input_ids, custom_generate=decode, dspark_head=head, return_dict_in_generate=True, output_scores=True,
+        **kwargs, **drafting,
+    )  # fmt: skip
     assert torch.equal(plain, spec.sequences)
     # One score per generated token; a row that stopped early gets -inf after its last token.
     generated = (spec.sequences[:, prompt_length:] != PAD).sum(dim=1)
@@ -215,28 +228,27 @@ def test_eos_inside_an_accepted_block(llama, eos_slots, monkeypatch):
     ids=["repetition", "no-repeat-ngram", "min-new-tokens", "suppress"],
 )
 @pytest.mark.parametrize("use_oracle", [False, True], ids=["untrained", "oracle"])
-def test_logits_processors_per_position(llama, processors, use_oracle, monkeypatch):
+def test_logits_processors_per_position(llama, processors, use_oracle):
     input_ids, attention_mask = prompts(3)
     # An EOS that plain decoding emits early, so min_new_tokens has something to suppress.
     free = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
     kwargs = {"attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 20, **processors}
     kwargs["eos_token_id"] = int(free[0, input_ids.shape[1] + 3])
     plain = llama.generate(input_ids, **kwargs)
-    if use_oracle:
-        monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=4))
-    spec = llama.generate(input_ids, custom_generate=decode, dspark_head=tiny_head(llama), **kwargs)
+    drafting = oracle(plain, corrupt_seed=4) if use_oracle else {}
+    spec = llama.generate(input_ids, custom_generate=decode, dspark_head=tiny_head(llama), **kwargs, **drafting)
     assert torch.equal(plain, spec)
 
 
-def test_scores_and_logits_match_plain_generate(llama, monkeypatch):
+def test_scores_and_logits_match_plain_generate(llama):
     input_ids, attention_mask = prompts(2)
     kwargs = {
         "attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 12, "repetition_penalty": 1.3,
         "return_dict_in_generate": True, "output_scores": True, "output_logits": True,
     }  # fmt: skip
     plain = llama.generate(input_ids, **kwargs)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain.sequences, corrupt_seed=1))
-    spec = llama.generate(input_ids, custom_generate=decode, dspark_head=tiny_head(llama), **kwargs)
+    drafting = oracle(plain.sequences, corrupt_seed=1)
+    spec = llama.generate(input_ids, custom_generate=decode, dspark_head=tiny_head(llama), **kwargs, **drafting)
     assert torch.equal(plain.sequences, spec.sequences)
     assert len(spec.scores) == len(plain.scores) == len(spec.logits)
     for plain_scores, spec_scores, plain_logits, spec_logits in zip(
@@ -259,14 +271,14 @@ class RecordingStreamer(BaseStreamer):
         self.ended = True
 
 
-def test_streamer_gets_prompt_then_committed_chunks(llama, monkeypatch):
+def test_streamer_gets_prompt_then_committed_chunks(llama):
     input_ids, _ = prompts(1)
     plain = llama.generate(input_ids, do_sample=False, max_new_tokens=17)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=2))
+    drafting = oracle(plain, corrupt_seed=2)
     streamer = RecordingStreamer()
     spec = llama.generate(
         input_ids, do_sample=False, max_new_tokens=17, custom_generate=decode, dspark_head=tiny_head(llama),
-        dspark_streamer=streamer,
+        dspark_streamer=streamer, **drafting,
     )  # fmt: skip
     assert torch.equal(plain, spec) and streamer.ended
     assert torch.equal(streamer.chunks[0], input_ids[0])
@@ -274,15 +286,15 @@ def test_streamer_gets_prompt_then_committed_chunks(llama, monkeypatch):
     assert max(len(chunk) for chunk in streamer.chunks[1:]) > 1  # several tokens per put
 
 
-def test_sliding_window_target_batch_one(monkeypatch):
+def test_sliding_window_target_batch_one():
     """Gemma3 layers with a 6-token window: rollback of sliding layers at batch size 1."""
     gemma = tiny_target("gemma3-sliding")
     input_ids, _ = prompts(1)
     plain = gemma.generate(input_ids, do_sample=False, max_new_tokens=20)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=1))
+    drafting = oracle(plain, corrupt_seed=1)
     spec = gemma.generate(
         input_ids, do_sample=False, max_new_tokens=20, custom_generate=decode, dspark_head=tiny_head(gemma),
-        return_dict_in_generate=True,
+        return_dict_in_generate=True, **drafting,
     )  # fmt: skip
     assert torch.equal(plain, spec.sequences) and spec.dspark_stats.num_accepted.sum() > 4
     with pytest.raises(ValueError, match="sliding window of 6 tokens"):

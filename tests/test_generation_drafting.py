@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_generation import VOCAB, oracle, prompts, tiny_head, tiny_target
 
-import spark_generate.generation as generation
-from spark_generate import decode
+from spark_generate import FixedLength, decode
+from spark_generate.drafting import HeadDrafter
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def drafts_from_scratch(target, head, prefixes, anchor_ids) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
-def test_draft_context_is_the_committed_prefix(llama, markov_head_type, monkeypatch):
+def test_draft_context_is_the_committed_prefix(llama, markov_head_type):
     head = tiny_head(llama, block_size=4, markov_head_type=markov_head_type)
     input_ids, attention_mask = prompts(3)
     plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
@@ -79,33 +79,34 @@ def test_draft_context_is_the_committed_prefix(llama, markov_head_type, monkeypa
         checked.append(len(anchor_ids))
 
     # Ragged acceptance (corrupted oracle drafts) leaves holes in both caches.
-    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=5, inspect=check))
     spec = llama.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20, custom_generate=decode,
-        dspark_head=head,
+        dspark_head=head, **oracle(plain, corrupt_seed=5, inspect=check),
     )  # fmt: skip
     assert torch.equal(spec, plain) and len(checked) >= 5
 
 
-def test_reduced_vocab_drafts_stay_in_the_draft_vocabulary(llama, monkeypatch):
+def test_reduced_vocab_drafts_stay_in_the_draft_vocabulary(llama):
     head = tiny_head(llama, draft_vocab_size=40)
     allowed = head.draft_to_target_ids(torch.arange(40))
-    real_draft_block = generation.draft_block
     seen = []
 
-    def recording(*args):
-        block = real_draft_block(*args)
-        seen.append(block)
-        return block
+    class Recording(HeadDrafter):
+        def draft(self, request):
+            block = super().draft(request)
+            seen.append(block)
+            return block
 
-    monkeypatch.setattr(generation, "draft_block", recording)
     input_ids, attention_mask = prompts(2)
     llama.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8,
-                   custom_generate=decode, dspark_head=head)  # fmt: skip
+                   custom_generate=decode, dspark_head=head, dspark_drafter=Recording,
+                   dspark_schedule=FixedLength())  # fmt: skip
     for block in seen:
         assert torch.isin(block.token_ids, allowed).all()
+        assert torch.equal(block.vocab_ids, allowed) and block.probs.shape[-1] == 40
+        torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]))
+        spread = block.target_probs(block.probs.shape[1], VOCAB)
         outside = torch.ones(VOCAB, dtype=torch.bool)
         outside[allowed] = False
-        assert (block.probs[..., outside] == 0).all()
-        torch.testing.assert_close(block.probs.sum(-1), torch.ones(block.probs.shape[:2]))
+        assert (spread[..., outside] == 0).all() and torch.equal(spread[..., allowed], block.probs)
     assert seen

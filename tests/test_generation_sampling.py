@@ -23,8 +23,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import spark_generate.generation as generation
-from spark_generate import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, decode
+from spark_generate import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, decode
+from spark_generate.drafting import HeadDrafter
 
 VOCAB = 6
 NUM_NEW = 4
@@ -40,6 +40,10 @@ SCHEDULES = {
     "fixed": FixedLength(),
     "threshold": ConfidenceThreshold(0.5),
     "goodput": GoodputSchedule(CostTable(num_tokens=(1, 2, 3, 4), verify_seconds=(1.0, 1.2, 1.9, 2.0))),
+    # Drafting is so expensive here that the first drafted round does not pay: the rest are plain steps.
+    "adaptive": AdaptiveSchedule(
+        CostTable(num_tokens=(NUM_ROWS, 4 * NUM_ROWS), verify_seconds=(1.0, 3.0), draft_seconds=2.0)
+    ),
 }
 
 
@@ -81,14 +85,17 @@ def exact_joint(target, setting: dict) -> torch.Tensor:
     return joint
 
 
-def chi_square_p_value(target, setting: dict, head, schedule) -> float:
+def chi_square_p_value(target, setting: dict, head, schedule, drafter=None) -> float:
     """Generates ``NUM_ROWS`` samples (checking that drafts were accepted) and tests them."""
     input_ids = PROMPT.expand(NUM_ROWS, -1)
     out = target.generate(
         input_ids, do_sample=True, max_new_tokens=NUM_NEW, custom_generate=decode, dspark_head=head,
-        dspark_seed=1234, dspark_schedule=schedule, return_dict_in_generate=True, **{"top_k": None, **setting},
+        dspark_seed=1234, dspark_schedule=schedule, dspark_drafter=drafter, return_dict_in_generate=True,
+        **{"top_k": None, **setting},
     )  # fmt: skip
     assert out.dspark_stats.num_accepted.sum() > NUM_ROWS // 10, "the test must exercise accepted drafts"
+    if isinstance(schedule, AdaptiveSchedule):
+        assert out.dspark_stats.num_plain_steps.sum() > 0, "the test must exercise the plain-step fallback"
     new = out.sequences[:, PROMPT.shape[1] :]
     index = sum(new[:, i] * VOCAB ** (NUM_NEW - 1 - i) for i in range(NUM_NEW))
     observed = torch.bincount(index, minlength=VOCAB**NUM_NEW).double()
@@ -115,15 +122,14 @@ def test_sampled_output_has_the_targets_distribution(target, setting_name, sched
 
 
 @pytest.mark.slow
-def test_a_wrong_draft_distribution_is_caught(target, monkeypatch):
+def test_a_wrong_draft_distribution_is_caught(target):
     """Mutant: verify against q**0.3 (renormalised) instead of the q the drafts were drawn from."""
-    real_draft_block = generation.draft_block
 
-    def wrong_q(*args):
-        block = real_draft_block(*args)
-        flattened = block.probs**0.3
-        return replace(block, probs=flattened / flattened.sum(-1, keepdim=True))
+    class WrongQ(HeadDrafter):
+        def draft(self, request):
+            block = super().draft(request)
+            flattened = block.probs**0.3
+            return replace(block, probs=flattened / flattened.sum(-1, keepdim=True))
 
-    monkeypatch.setattr(generation, "draft_block", wrong_q)
     head = tiny_head(target, block_size=3)
-    assert chi_square_p_value(target, SETTINGS["temperature"], head, FixedLength()) < 1e-8
+    assert chi_square_p_value(target, SETTINGS["temperature"], head, FixedLength(), drafter=WrongQ) < 1e-8

@@ -11,13 +11,17 @@ from test_generation import PAD, VOCAB, oracle, prompts, tiny_head, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
-import spark_generate.generation as generation
-from spark_generate import DSparkForCausalLM, decode
+from spark_generate import DSparkForCausalLM, FixedLength, decode
 
 
 @pytest.fixture(scope="module")
 def llama():
     return tiny_target("llama")
+
+
+def wrapper_keywords(keywords: dict) -> dict:
+    """``oracle()``'s ``generate()`` keywords as the wrapper takes them (``schedule=``)."""
+    return {"schedule" if name == "dspark_schedule" else name: value for name, value in keywords.items()}
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +74,18 @@ def test_assistant_as_object_or_folder(llama, tmp_path):
     assert torch.equal(default.generate(input_ids, **kwargs), plain)
 
 
-def test_stop_strings_inside_an_accepted_block(llama, tokenizer, monkeypatch):
+def test_stop_strings_inside_an_accepted_block(llama, tokenizer):
     input_ids, attention_mask = prompts(3)
     free = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=20)
     stop = tokenizer.convert_ids_to_tokens(int(free[0, input_ids.shape[1] + 6]))
     kwargs = {"attention_mask": attention_mask, "do_sample": False, "max_new_tokens": 20}
     plain = llama.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, **kwargs)
     assert plain.shape[1] < free.shape[1] or (plain == PAD).any()
-    monkeypatch.setattr(generation, "draft_block", oracle(plain))
     model = DSparkForCausalLM(llama, tiny_head(llama, block_size=5))
-    spec = model.generate(input_ids, stop_strings=[stop], tokenizer=tokenizer, return_dict_in_generate=True, **kwargs)
+    spec = model.generate(
+        input_ids, stop_strings=[stop], tokenizer=tokenizer, return_dict_in_generate=True, **kwargs,
+        **wrapper_keywords(oracle(plain)),
+    )  # fmt: skip
     assert torch.equal(plain, spec.sequences)
     assert spec.dspark_stats.num_accepted.sum() > 0
     with pytest.raises(ValueError, match="needs the tokenizer"):
@@ -95,13 +101,12 @@ class CollectingStreamer(TextStreamer):
         self.text += text
 
 
-def test_streamed_text_equals_final_text(llama, tokenizer, monkeypatch):
+def test_streamed_text_equals_final_text(llama, tokenizer):
     input_ids, _ = prompts(1)
     plain = llama.generate(input_ids, do_sample=False, max_new_tokens=16)
-    monkeypatch.setattr(generation, "draft_block", oracle(plain, corrupt_seed=3))
     streamer = CollectingStreamer(tokenizer)
     out = DSparkForCausalLM(llama, tiny_head(llama)).generate(
-        input_ids, do_sample=False, max_new_tokens=16, streamer=streamer
+        input_ids, do_sample=False, max_new_tokens=16, streamer=streamer, **wrapper_keywords(oracle(plain, 3))
     )
     assert torch.equal(out, plain)
     assert streamer.text == tokenizer.decode(out[0, input_ids.shape[1] :])
@@ -123,7 +128,8 @@ def test_row_output_is_independent_of_batch_composition(llama):
     model = DSparkForCausalLM(llama, tiny_head(llama))
     input_ids = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(8))
     seeds = torch.tensor([101, 202, 303])
-    kwargs = {"do_sample": True, "top_k": 20, "max_new_tokens": 10}
+    # A per-row schedule: the adaptive default plans the batch as a whole, so rows share its plan.
+    kwargs = {"do_sample": True, "top_k": 20, "max_new_tokens": 10, "schedule": FixedLength()}
     batched = model.generate(input_ids, seed=seeds, **kwargs)
     for row in range(3):
         alone = model.generate(input_ids[row : row + 1], seed=seeds[row : row + 1], **kwargs)
@@ -135,7 +141,7 @@ def test_left_padded_row_samples_like_the_row_alone(llama):
     model = DSparkForCausalLM(llama, tiny_head(llama))
     input_ids, attention_mask = prompts(3)
     seeds = torch.tensor([7, 8, 9])
-    kwargs = {"do_sample": True, "temperature": 0.9, "max_new_tokens": 10}
+    kwargs = {"do_sample": True, "temperature": 0.9, "max_new_tokens": 10, "schedule": FixedLength()}
     batched = model.generate(input_ids, attention_mask=attention_mask, seed=seeds, **kwargs)
     prompt_length = input_ids.shape[1]
     for row in range(3):

@@ -8,16 +8,26 @@ counterexample: a retrospective global search over verify lengths turns a target
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-from test_generation import tiny_head, tiny_target
+from test_generation import ARCHITECTURES, OracleDrafter, prompts, tiny_head, tiny_target
 
-from spark_generate import ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule, decode, profile_costs
+from spark_generate import (
+    AdaptiveSchedule,
+    ConfidenceThreshold,
+    CostTable,
+    FixedLength,
+    GoodputSchedule,
+    decode,
+    profile_costs,
+)
 from spark_generate.kernels import RandomStream, rejection_sample
+from spark_generate.profiling import cost_table_for
 from spark_generate.sampling import sample
 from spark_generate.schedule import load_calibration
 
@@ -75,7 +85,7 @@ def retrospective_schedule(confidence_logits: torch.Tensor, table: CostTable) ->
     return torch.tensor([max(range(len(goodputs)), key=goodputs.__getitem__)])
 
 
-@pytest.mark.parametrize("schedule_name", ["algorithm1", "retrospective"])
+@pytest.mark.parametrize("schedule_name", ["algorithm1", "adaptive", "retrospective"])
 def test_appendix_a_counterexample(schedule_name):
     """Target (0.7, 0.3) at the first slot; drafts uniform; c_2 = 1 iff d_1 = token 0, else 0.
 
@@ -95,12 +105,14 @@ def test_appendix_a_counterexample(schedule_name):
     confidence_logits = torch.stack([torch.zeros(num_rows), torch.where(drafts[:, 0] == 0, 30.0, -30.0)], dim=1)
     if schedule_name == "algorithm1":
         num_verified = GoodputSchedule(table)(confidence_logits, num_rows, 2)
+    elif schedule_name == "adaptive":
+        num_verified = AdaptiveSchedule(table).start(table, 2).lengths(confidence_logits, num_rows, 2)
     else:
         num_verified = torch.cat([retrospective_schedule(row[None], table) for row in confidence_logits])
     output, _ = rejection_sample(target_probs, draft_probs, drafts, num_verified, seed=seeds, positions=1)
     counts = torch.bincount(output[:, 0], minlength=2).double()
     p_value = chisquare(counts.numpy(), (torch.tensor([0.7, 0.3]) * num_rows).numpy()).pvalue
-    if schedule_name == "algorithm1":
+    if schedule_name != "retrospective":
         assert p_value > 1e-4, counts
     else:
         assert p_value < 1e-12 and abs(float(counts[0]) / num_rows - 0.85) < 0.02, counts
@@ -118,9 +130,10 @@ def test_profile_costs_writes_a_table(tmp_path):
     target = tiny_target("llama", num_layers=2)
     head = tiny_head(target, block_size=3)
     table = profile_costs(target, head, batch_size=2, context_length=8, repeats=1, path=tmp_path / "costs.json")
-    assert table.num_tokens == (2, 4, 6, 8)
+    # Two rows of 1..4 tokens, and one row of 1..4 (the small batches left when rows finish).
+    assert table.num_tokens == (1, 2, 3, 4, 6, 8)
     assert all(seconds > 0 for seconds in table.verify_seconds) and table.draft_seconds > 0
-    assert json.loads((tmp_path / "costs.json").read_text())["num_tokens"] == [2, 4, 6, 8]
+    assert json.loads((tmp_path / "costs.json").read_text())["num_tokens"] == [1, 2, 3, 4, 6, 8]
 
 
 def test_load_calibration(tmp_path):
@@ -150,4 +163,92 @@ def test_schedules_drive_generation_and_stay_exact(tmp_path):
         )  # fmt: skip
         assert torch.equal(out.sequences, plain), name
         drafted[name] = int(out.dspark_stats.num_drafted.sum())
-    assert drafted["threshold"] < drafted["fixed"] and table.num_tokens[0] == 2
+    assert drafted["threshold"] < drafted["fixed"] and table.num_tokens[0] == 1
+
+
+# ------------------------------------------------------------------------ the adaptive default
+
+
+def test_adaptive_switch_steps_aside_and_probes_with_growing_backoff():
+    """Rounds that do not pay (gain < 1) are followed by 1, 2, 4, 4 plain steps; one that pays resets."""
+    table = CostTable(num_tokens=(1, 8), verify_seconds=(1.0, 1.0), draft_seconds=1.0)  # a round costs 2 steps
+    run = AdaptiveSchedule(table, smoothing=1.0, max_backoff=4).start(table, 3)
+    plain_steps = []
+    for emitted in [1, 1, 1, 1, 3, 1]:  # tokens emitted by each drafted round of one row
+        assert run.should_draft()
+        run.record(torch.tensor([3]), torch.tensor([emitted]))
+        skipped = 0
+        while not run.should_draft():
+            skipped += 1
+        plain_steps.append(skipped)
+    assert plain_steps == [1, 2, 4, 4, 0, 1]
+
+
+@given(
+    confidences=st.lists(st.lists(st.floats(0.01, 0.99), min_size=4, max_size=4), min_size=1, max_size=4),
+    history=st.lists(st.integers(1, 5), max_size=6),
+    replacement=st.floats(0.01, 0.99),
+    data=st.data(),
+)
+def test_adaptive_decisions_never_read_the_drafts_they_decide_on(confidences, history, replacement, data):
+    """Whether a round drafts depends only on past rounds; whether slot j is verified ignores slots > j."""
+    table = CostTable(num_tokens=(1, 4, 16), verify_seconds=(1.0, 1.3, 2.5), draft_seconds=0.2)
+    run = AdaptiveSchedule(table).start(table, 4)
+    for emitted in history:  # past rounds of one row, all 4 drafts verified
+        run.record(torch.tensor([4]), torch.tensor([emitted]))
+    original = run.lengths(logits_of(confidences), len(confidences), 4)
+    row = data.draw(st.integers(0, len(confidences) - 1))
+    slot = data.draw(st.integers(0, 3))
+    changed = [list(c) for c in confidences]
+    changed[row][slot + 1 :] = [replacement] * (3 - slot)
+    after = run.lengths(logits_of(changed), len(confidences), 4)
+    assert (original[row] > slot) == (after[row] > slot)
+    # Without a confidence head, lengths come from past acceptance alone: the same for every row.
+    assert len(set(run.lengths(None, 3, 4).tolist())) == 1
+
+
+class PhasedOracle(OracleDrafter):
+    """Right for the first rounds, then wrong for a while, then right again: the switch must act."""
+
+    def __init__(self, head, reference):
+        super().__init__(head, reference)
+        self.round = 0
+
+    def draft(self, request):
+        block = super().draft(request)
+        self.round += 1
+        if 3 <= self.round < 6:
+            return replace(block, token_ids=(block.token_ids + 1) % 128)
+        return block
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_adaptive_default_with_plain_steps_is_exact(architecture):
+    """Greedy output equals plain greedy while the schedule drafts, steps aside and probes again."""
+    target = tiny_target(architecture)
+    head = tiny_head(target, block_size=4, enable_confidence_head=True)
+    input_ids, attention_mask = prompts(3)
+    plain = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40)
+    table = CostTable(num_tokens=(1, 15), verify_seconds=(1.0, 1.2), draft_seconds=0.3)
+    out = target.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40, custom_generate=decode,
+        dspark_head=head, dspark_drafter=lambda head: PhasedOracle(head, plain),
+        dspark_schedule=AdaptiveSchedule(table, temperatures=torch.full((4,), 1e-3)), return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(out.sequences, plain)
+    stats = out.dspark_stats
+    assert stats.num_plain_steps.sum() > 0 and stats.num_accepted.sum() > 0
+    assert (stats.num_rounds > stats.num_plain_steps).all()
+
+
+def test_cost_table_is_profiled_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    target = tiny_target("llama", num_layers=2)
+    head = tiny_head(target, block_size=3)
+    first = cost_table_for(target, head, batch_size=2)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    assert cost_table_for(target, head, batch_size=2) == first  # read back, not measured again
+    cost_table_for(target, head, batch_size=3)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+    monkeypatch.setenv("SPARK_GENERATE_PROFILE", "0")
+    assert cost_table_for(target, head, batch_size=2) == CostTable.estimate("cpu", 2 * 4)

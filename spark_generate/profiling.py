@@ -1,0 +1,175 @@
+"""Measuring what a round costs on this machine: the cost tables the schedules plan with.
+
+:func:`profile_costs` times, on random tokens, one target forward over ``R × w`` tokens for every
+block width ``w`` (and, for ``R > 1``, over ``w`` tokens of a single row, so that the table also
+covers the small batches left when rows finish), and one drafting round. :func:`cost_table_for`
+is what the default schedule uses: the table of this target, dtype, device, thread count, head and
+batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs`` (default
+``~/.cache/spark_generate``), so that later generations plan identically (a seeded sampled
+generation depends on the plan, so it is reproducible run to run on the same machine). With
+``SPARK_GENERATE_PROFILE=0`` nothing is measured and the built-in
+:meth:`~spark_generate.schedule.CostTable.estimate` is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+
+from spark_generate.cache import FeatureTap, target_forward
+from spark_generate.drafting import DraftContext, DraftRequest, HeadDrafter
+from spark_generate.heads import DSparkHead
+from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
+from spark_generate.rows import RowPrefixes, Sampling
+from spark_generate.schedule import CostTable
+
+__all__ = ["cache_folder", "cost_table_for", "profile_costs"]
+
+
+def cache_folder() -> Path:
+    """Where spark_generate caches what it measures: ``$SPARK_GENERATE_CACHE`` or ``~/.cache/spark_generate``."""
+    return Path(os.environ.get("SPARK_GENERATE_CACHE", Path.home() / ".cache" / "spark_generate"))
+
+
+@torch.no_grad()
+def profile_costs(
+    model: PreTrainedModel,
+    head: DSparkHead,
+    *,
+    batch_size: int = 1,
+    context_length: int = 64,
+    repeats: int = 3,
+    path: str | Path | None = None,
+) -> CostTable:
+    """Measures verification and drafting costs on this machine, optionally saving them as JSON.
+
+    Runs a prefill of random tokens, then times (best of ``repeats``) one draft round of
+    ``batch_size`` rows and target forwards over ``rows × (1 + n)`` tokens for ``n = 0 .. S``, with
+    ``rows = batch_size`` and, if larger than 1, ``rows = 1``, rolling the cache back each time.
+
+    Args:
+        model: The target.
+        head: Its draft head (attached to it here).
+        batch_size: Rows per round.
+        context_length: Prompt length of the measurement.
+        repeats: Timings per point; the fastest is kept.
+        path: Where to write the table (JSON), or None.
+
+    Returns:
+        The cost table.
+    """
+    head.attach(model)
+    num_drafts = head.config.num_draft_tokens
+    seconds: dict[int, float] = {}
+    for rows in sorted({1, batch_size}):
+        verify_seconds, draft_seconds = _profile_batch(model, head, rows, context_length, repeats)
+        seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
+    points = sorted(seconds)
+    table = CostTable(tuple(points), tuple(seconds[n] for n in points), draft_seconds=draft_seconds)
+    if path is not None:
+        table.save(path)
+    return table
+
+
+def _profile_batch(
+    model: PreTrainedModel, head: DSparkHead, batch_size: int, context_length: int, repeats: int
+) -> tuple[list[float], float]:
+    """Best-of-``repeats`` seconds of target forwards over widths ``1 .. S + 1``, and of one draft round."""
+    device = next(model.parameters()).device
+    input_ids = torch.randint(0, head.config.target_vocab_size, (batch_size, context_length), device=device)
+    positions = torch.arange(context_length, device=device).expand(batch_size, -1)
+    cache, cache_kwarg = take_cache(model, {}), cache_kwarg_name(model)
+
+    def verify(width: int) -> None:
+        block_positions = positions[:, -1:] + 1 + torch.arange(width, device=device)
+        mask = torch.ones(batch_size, context_length + width, dtype=torch.long, device=device)
+        target_forward(
+            model, input_ids[:, :width], cache=cache, cache_kwarg=cache_kwarg, attention_mask=mask,
+            position_ids=block_positions, num_logits=width,
+        )  # fmt: skip
+        tap.take()
+        crop_cache(cache, context_length)
+
+    with FeatureTap(model, head.config.target_layer_ids, head.fc.weight.device) as tap:
+        target_forward(
+            model, input_ids, cache=cache, cache_kwarg=cache_kwarg, attention_mask=torch.ones_like(input_ids),
+            position_ids=positions, num_logits=1,
+        )  # fmt: skip
+        features = tap.take()
+        drafter = HeadDrafter(head)
+        sampling = Sampling(greedy=True, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
+        rows = torch.arange(batch_size, device=device)
+        prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
+
+        def draft(num_new_rows: int) -> None:
+            context = DraftContext(features[:, -num_new_rows:], positions[:, -num_new_rows:])
+            anchor_positions = positions[:, -1] + 1
+            drafter.draft(
+                DraftRequest(input_ids[:, -1], anchor_positions, context, prefixes, sampling, LogitsProcessorList())
+            )
+
+        draft(context_length)  # fills the draft cache; a round then adds about one context row
+        draft_seconds = min(_timed(functools.partial(draft, 1)) for _ in range(repeats))
+        num_drafts = head.config.num_draft_tokens
+        verify_seconds = [
+            min(_timed(functools.partial(verify, 1 + n)) for _ in range(repeats)) for n in range(num_drafts + 1)
+        ]
+    return verify_seconds, draft_seconds
+
+
+def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int) -> CostTable:
+    """This machine's cost table for ``model``, ``head`` and ``batch_size``: cached, else profiled once.
+
+    With ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
+    """
+    device = next(model.parameters()).device
+    if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
+        return CostTable.estimate(device.type, batch_size * (head.config.num_draft_tokens + 1))
+    key = _machine_key(model, head, batch_size, device)
+    path = (
+        cache_folder() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+    )
+    if path.is_file():
+        try:
+            return CostTable.load(path)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is measured again and replaced
+    table = profile_costs(model, head, batch_size=batch_size, repeats=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+        json.dump({**table.to_dict(), "key": key}, handle, indent=2)
+    os.replace(handle.name, path)
+    return table
+
+
+def _machine_key(model: PreTrainedModel, head: DSparkHead, batch_size: int, device: torch.device) -> dict[str, object]:
+    """What a cost table depends on: the target, the head, the dtype, the device and the threads."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {
+        "target": type(model).__name__,
+        "target_config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "head_config": hashlib.sha256(head.config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "dtype": str(next(model.parameters()).dtype),
+        "device": device_name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "batch_size": batch_size,
+    }
+
+
+def _timed(function: Callable[[], object]) -> float:
+    """Wall seconds of one call (synchronising CUDA, so queued kernels are counted)."""
+    start = time.perf_counter()
+    function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
