@@ -1,12 +1,15 @@
 """STS calibration: the fit on synthetic miscalibrated confidences, and end to end with real decoding.
 
 Synthetic: prefix survivals drawn from ``σ(z / 3)`` per position make raw logits ``z`` overconfident
-by a temperature of 3; STS must find temperatures near 3 and lower the ECE. End to end: a tiny
+by a temperature of 3; STS must find temperatures near 3 and lower the ECE, without a warning.
+Miscalibration beyond the grid (a temperature of 100 or 1/50) ends on a bound and warns, naming the
+slots. End to end: a tiny
 random target and a head whose confidence logits are scaled up (deliberately overconfident) are
 calibrated on real speculative decoding, and the JSON is read back by ``load_calibration``.
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
 from spark_generate.training.calibration import (
     CalibrationData,
+    CalibrationWarning,
     brier_score,
     collect_calibration_data,
     expected_calibration_error,
@@ -47,7 +51,9 @@ def synthetic(num_steps: int, temperature: float, seed: int) -> CalibrationData:
 
 
 def test_sts_recovers_the_temperature_of_overconfident_logits():
-    result = fit_sts(synthetic(20_000, temperature=3.0, seed=0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)  # inside the grid: no warning
+        result = fit_sts(synthetic(20_000, temperature=3.0, seed=0))
     assert (result.ece_after < result.ece_before).all()
     assert result.ece_after.max() < 0.03 < result.ece_before.min()
     assert (result.brier_after < result.brier_before).all()
@@ -58,6 +64,21 @@ def test_sts_recovers_the_temperature_of_overconfident_logits():
     for k in range(4):
         after = expected_calibration_error(cumulative[:, k], held_out.survived[:, k])
         assert after < expected_calibration_error(raw[:, k], held_out.survived[:, k])
+
+
+def test_temperatures_on_a_grid_bound_are_a_warning_naming_the_slots():
+    with pytest.warns(
+        CalibrationWarning, match=r"slots 1, 2, 3, 4 at the upper bound T=8 \(prefix survived in"
+    ) as caught:
+        result = fit_sts(synthetic(4_000, temperature=100.0, seed=1))
+    assert result.temperatures.tolist() == [8.0] * 4
+    assert "too little data" in str(caught[0].message) and "miscalibrated beyond" in str(caught[0].message)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4_000, 4, generator=generator, dtype=torch.float64) * 0.2  # underconfident by 50x
+    accepted = torch.rand(4_000, 4, generator=generator, dtype=torch.float64) < torch.sigmoid(logits * 50)
+    with pytest.warns(CalibrationWarning, match="slot 1 at the lower bound T=0.125"):
+        result = fit_sts(CalibrationData(logits, accepted.long().cumprod(dim=-1).sum(-1)))
+    assert result.temperatures[0] == 0.125
 
 
 def test_no_steps_is_a_clear_error():

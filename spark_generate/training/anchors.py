@@ -10,12 +10,13 @@ target's logits at position ``p + k`` and has the ground-truth predecessor ``x_{
     labels                  x_{p+1}  x_{p+2} ... x_{p+S}  (S draft tokens)
 
 Anchors are drawn uniformly, without replacement, among positions ``p`` with ``loss_mask[p]`` and
-``loss_mask[p + 1]`` both set (dspark_spec §4.1); a row with fewer candidates than requested is
-padded with masked dummy anchors at position 0. One row holds one document (the data pipeline
-never packs documents), so a block can never cross a document; it can not cross the end of the
-sequence either: a slot is supervised only while its label lies inside the row's length and in
-the loss mask, and only as a *contiguous prefix* of the block (the mask is a cumulative product
-along the slots), because a draft is only ever verified after all earlier drafts were accepted.
+``loss_mask[p + 1]`` both set (the anchor and its first label lie in the answer); a row with fewer
+candidates than requested is padded with masked dummy anchors at position 0. One row holds one
+document (the data pipeline never packs documents), so a block can never cross a document; it can
+not cross the end of the sequence either: a slot is supervised only while its label lies inside
+the row's length and in the loss mask, and only as a *contiguous prefix* of the block (the mask is
+a cumulative product along the slots), because a draft is only ever verified after all earlier
+drafts were accepted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sequential temperature scaling (STS) of the confidence head, the paper's §3.2.1 (dspark_spec §3.3).
+"""Sequential temperature scaling (STS) of the confidence head (the DSpark paper, arXiv 2607.05147, §3.2.1).
 
 The confidence ``c_k = σ(z_k)`` estimates whether draft ``k`` survives given that drafts ``< k``
 did, so the probability that the prefix ``1..k`` survives is the cumulative product
@@ -12,26 +12,36 @@ records them and verifies the whole block) and its number of accepted drafts (re
 streamer: a step commits accepted drafts plus one token). Steps whose verification the
 ``max_new_tokens`` budget could have cut short are left out.
 
+The grid spans ``[1/8, 8]``. A temperature that ends on either bound is a sign that the fit did
+not succeed for that slot: too little data for it (few steps, or a prefix that almost always or
+almost never survives), or confidences miscalibrated beyond what the grid covers; :func:`fit_sts`
+then issues a :class:`CalibrationWarning` naming the slots.
+
 The fitted temperatures are written as ``{"temperatures": [T_1, ..., T_S], ...}``, the file
-:func:`spark_generate.schedule.load_calibration` reads, with the ECE before and after.
+:func:`spark_generate.schedule.load_calibration` reads, with the ECE before and after and the
+decoding settings the observations were collected with.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from spark_generate.heads import DSparkHead
 from spark_generate.modeling import DSparkForCausalLM
+from spark_generate.training.evaluation import DecodingSettings
 
 __all__ = [
     "CalibrationData",
     "CalibrationResult",
+    "CalibrationWarning",
     "brier_score",
     "collect_calibration_data",
     "expected_calibration_error",
@@ -80,8 +90,14 @@ class CalibrationResult:
     brier_before: torch.Tensor
     brier_after: torch.Tensor
 
-    def save(self, path: str | Path, num_steps: int) -> None:
-        """Writes the JSON :func:`~spark_generate.schedule.load_calibration` reads (plus the ECEs)."""
+    def save(self, path: str | Path, num_steps: int, decoding: DecodingSettings | None = None) -> None:
+        """Writes the JSON :func:`~spark_generate.schedule.load_calibration` reads (plus the ECEs).
+
+        Args:
+            path: The JSON file to write.
+            num_steps: Speculative steps the temperatures were fitted on.
+            decoding: How the steps were decoded (recorded when given).
+        """
         record = {
             "temperatures": self.temperatures.tolist(),
             "ece_before": self.ece_before.tolist(),
@@ -91,6 +107,8 @@ class CalibrationResult:
             "num_steps": num_steps,
             "method": f"sequential temperature scaling of cumulative confidences, {NUM_BINS}-bin ECE",
         }
+        if decoding is not None:
+            record["decoding"] = decoding.to_dict()
         Path(path).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -124,8 +142,43 @@ def _cumulative(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tenso
     return torch.sigmoid(logits / temperatures).cumprod(dim=-1)
 
 
+class CalibrationWarning(UserWarning):
+    """A fitted STS temperature lies on a bound of the search grid (see :func:`fit_sts`)."""
+
+
+def _bound_warning(temperatures: torch.Tensor, survived: torch.Tensor) -> str | None:
+    """The message naming the slots whose temperature lies on a grid bound, or None if there are none."""
+    low, high = float(TEMPERATURE_GRID[0]), float(TEMPERATURE_GRID[-1])
+    survivals = survived.sum(dim=0).tolist()
+    parts = []
+    for name, bound in (("lower", low), ("upper", high)):
+        slots = [k for k, t in enumerate(temperatures.tolist()) if t == bound]
+        if slots:
+            numbers = ", ".join(str(k + 1) for k in slots)
+            counts = ", ".join(str(survivals[k]) for k in slots)
+            parts.append(
+                f"slot{'s' if len(slots) > 1 else ''} {numbers} at the {name} bound T={bound:g} (prefix survived in "
+                f"{counts} of {survived.shape[0]} steps)"
+            )
+    if not parts:
+        return None
+    return (
+        f"STS temperatures on a bound of the grid [{low:g}, {high:g}]: {'; '.join(parts)}. The fit could not "
+        "settle inside the grid for these slots: either there is too little data for them (few steps, or prefixes "
+        "that almost never or almost always survive), or their confidences are miscalibrated beyond what the grid "
+        "covers. Calibrate on more or longer held-out prompts; if a bound persists, train the confidence head longer."
+    )
+
+
 def fit_sts(data: CalibrationData) -> CalibrationResult:
-    """Fits per-position temperatures sequentially on the cumulative product (see the module docstring)."""
+    """Fits per-position temperatures sequentially on the cumulative product (see the module docstring).
+
+    Raises:
+        ValueError: If ``data`` holds no steps.
+
+    Warns:
+        CalibrationWarning: If a fitted temperature lies on a bound of the search grid.
+    """
     logits, survived = data.confidence_logits.double(), data.survived
     if logits.shape[0] == 0:
         raise ValueError("no speculative steps to calibrate on; give more or longer held-out prompts.")
@@ -140,6 +193,9 @@ def fit_sts(data: CalibrationData) -> CalibrationResult:
             for t in TEMPERATURE_GRID
         ]
         temperatures[k] = TEMPERATURE_GRID[int(torch.tensor(errors).argmin())]
+    message = _bound_warning(temperatures, survived)
+    if message is not None:
+        warnings.warn(message, CalibrationWarning, stacklevel=2)
     after = _cumulative(logits, temperatures)
     ece_after = torch.tensor([expected_calibration_error(after[:, k], survived[:, k]) for k in range(num_slots)])
     return CalibrationResult(
@@ -182,33 +238,39 @@ def collect_calibration_data(
     target: PreTrainedModel,
     prompts: list[list[int]],
     *,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = DecodingSettings.max_new_tokens,
     do_sample: bool = True,
-    seed: int = 0,
+    temperature: float = DecodingSettings.temperature,
+    seed: int = DecodingSettings.seed,
+    progress: str | None = None,
 ) -> CalibrationData:
-    """Runs real speculative decoding (full blocks) on each prompt and records every step.
+    """Runs real speculative decoding (full blocks, batch 1) on each prompt and records every step.
+
+    Calibrate with the decoding the head will serve: the confidences estimate acceptance under it.
 
     Args:
         head: A head with a confidence head.
         target: The target.
         prompts: Token ids of each held-out prompt.
         max_new_tokens: Tokens per prompt.
-        do_sample: Sample at temperature 1 (the regime the confidences are used in) or decode greedily.
+        do_sample: Sample (else decode greedily).
+        temperature: Sampling temperature (unused when greedy).
         seed: Sampling seed.
+        progress: Label of a tqdm progress bar over the prompts (on stderr); None shows no bar.
     """
     if not prompts:
         raise ValueError("prompts is empty; expected held-out prompts (lists of token ids) to calibrate on.")
     model = DSparkForCausalLM(target)
     device = head.fc.weight.device
     num_slots = head.config.num_draft_tokens
+    settings = DecodingSettings(do_sample=do_sample, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     logits, accepted = [], []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc=progress, unit="prompt", disable=progress is None):
         schedule, counter = _RecordingSchedule(), _ChunkCounter()
         model.generate(
             input_ids=torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-            assistant=head, schedule=schedule, streamer=counter,
-            max_new_tokens=max_new_tokens, do_sample=do_sample, seed=seed,
+            assistant=head, schedule=schedule, streamer=counter, seed=seed, **settings.generate_kwargs(),
         )  # fmt: skip
         generated = 0
         for step_logits, size in zip(schedule.logits, counter.sizes, strict=False):

@@ -1,4 +1,4 @@
-"""The DSpark training objective (dspark_spec §4.2, the paper's eqs. 9-12).
+"""The DSpark training objective (the DSpark paper, arXiv 2607.05147, eqs. 9-12).
 
 For draft token ``k`` (0-based) of every block, with Markov-corrected draft logits ``ℓ_k``,
 target logits ``t_k``, confidence logit ``z_k`` and slot mask ``m_k``::
@@ -9,7 +9,7 @@ target logits ``t_k``, confidence logit ``z_k`` and slot mask ``m_k``::
     L_conf = Σ w_k m_k BCE(z_k, c*_k)                 / Σ w_k m_k,   c*_k = 1 − TV_k (detached)
     L      = 0.1 L_ce + 0.9 L_l1 + 1.0 L_conf
 
-Divergences chosen (the spec lists both readings of each):
+Divergences chosen (published implementations read each of them in two ways):
 
 * distribution term: the full **L1** norm (``= 2·TV``), as DeepSpec and the paper, not
   speculators' ``tv`` (``= TV``, half the relative weight);

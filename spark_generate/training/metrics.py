@@ -1,4 +1,4 @@
-"""Teacher-forced metrics of a head (dspark_spec §4.4), accumulated over any number of batches.
+"""Teacher-forced metrics of a head, accumulated over any number of batches.
 
 All are computed from the same teacher-forced blocks as the loss:
 

@@ -59,7 +59,7 @@ PROVENANCE = "provenance.json"
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """Settings of a training run; the defaults follow DeepSpec's recipe (dspark_spec §4.3).
+    """Settings of a training run; the one place their defaults live, which follow DeepSpec's DSpark recipe.
 
     Attributes:
         output_dir: Where ``checkpoint-{step}`` folders go.
