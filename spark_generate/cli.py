@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -483,11 +484,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one subcommand; prints its summary line (or the error, one line) and returns the exit status."""
     args = build_parser().parse_args(argv)
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry notices would bury the one-line error of a failed download
     try:
         print(args.run(args))
     except (ValueError, OSError) as error:  # OSError: files, and the Hub (connection, missing repository)
         print(f"spark-generate {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    finally:
+        hub_logger.setLevel(level)
     return 0
 
 
