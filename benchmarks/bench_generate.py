@@ -8,8 +8,13 @@ Systems (same target, precision, prompts and decoding settings):
 * ``dflash``: the DFlash ablation, a head trained with the same recipe but ``markov_rank=0`` and no
   confidence head, verifying its whole block;
 * ``dspark-fixed``: the shipped DSpark head verifying its whole block;
-* ``dspark-scheduled``: the same head with the goodput schedule (Algorithm 1) on a cost table
-  profiled here for each batch size and the shipped STS calibration.
+* ``dspark-goodput``: the same head with the goodput schedule (Algorithm 1) on this machine's cost
+  table for each batch size and the shipped STS calibration (the previous recommendation);
+* ``dspark``: the same head with the default schedule (:class:`~spark_generate.AdaptiveSchedule`:
+  Algorithm 1 on the same costs and calibration, plus plain steps while drafting does not pay).
+
+Cost tables come from :func:`spark_generate.profiling.cost_table_for` (profiled once per batch size
+and cached), filled before any timing.
 
 Prompts: the evaluation split of :mod:`spark_generate.prompt_sets` (HumanEval for code,
 GSM-Symbolic for math, MT-Bench first turns for chat), in the chat template, never seen in training.
@@ -47,14 +52,16 @@ from tqdm.auto import tqdm
 
 from spark_generate import DSparkForCausalLM, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
-from spark_generate.schedule import FixedLength, GoodputSchedule, load_calibration, profile_costs
+from spark_generate.profiling import cost_table_for
+from spark_generate.schedule import AdaptiveSchedule, FixedLength, GoodputSchedule, load_calibration
 from spark_generate.training.regenerate import prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DSPARK_HEAD = ROOT / "model_cards" / "smollm2-135m-instruct-dspark"
 DFLASH_HEAD = ROOT / "runs" / "smollm2" / "dflash-export"
-SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark-scheduled")
+SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark-goodput", "dspark")
+DEFAULT_SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark")
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
@@ -128,15 +135,16 @@ class Bench:
         if Path(args.dflash_head).is_dir():
             self.heads["dflash"] = DSparkHead.from_pretrained(args.dflash_head).attach(self.target).float().eval()
         self.temperatures = load_calibration(DSPARK_HEAD / "calibration.json")
-        self.schedules: dict[int, GoodputSchedule] = {}
         self.args = args
 
-    def schedule(self, batch_size: int) -> GoodputSchedule:
-        """The goodput schedule on a cost table profiled for this batch size (profiled once)."""
-        if batch_size not in self.schedules:
-            costs = profile_costs(self.target, self.heads["dspark"], batch_size=batch_size, context_length=128)
-            self.schedules[batch_size] = GoodputSchedule(costs, self.temperatures)
-        return self.schedules[batch_size]
+    def schedule(self, system: str, batch_size: int) -> FixedLength | GoodputSchedule | AdaptiveSchedule:
+        """The schedule of a DSpark system at this batch size (cost tables: this machine's, cached)."""
+        if system in ("dflash", "dspark-fixed"):
+            return FixedLength()
+        costs = cost_table_for(self.target, self.heads["dspark"], batch_size)
+        if system == "dspark-goodput":
+            return GoodputSchedule(costs, self.temperatures)
+        return AdaptiveSchedule(costs, self.temperatures)
 
     def generate(self, system: str, inputs: dict[str, torch.Tensor], settings: dict, seed: int):
         """One ``generate`` call of a system; returns the output sequences and the DSpark statistics."""
@@ -145,7 +153,7 @@ class Bench:
             extra = PROMPT_LOOKUP if system == "prompt-lookup" else {}
             return self.target.generate(**inputs, **settings, **extra), None
         head = self.heads["dflash" if system == "dflash" else "dspark"]
-        schedule = self.schedule(inputs["input_ids"].shape[0]) if system == "dspark-scheduled" else FixedLength()
+        schedule = self.schedule(system, inputs["input_ids"].shape[0])
         output = self.model.generate(
             **inputs, **settings, assistant=head, schedule=schedule, seed=seed, return_dict_in_generate=True
         )
@@ -158,9 +166,9 @@ class Bench:
             settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
             settings.update(do_sample=False)
-        if system == "dspark-scheduled":  # profile the costs of every batch shape before any timing
+        if system in ("dspark-goodput", "dspark"):  # profile the costs of every batch shape before any timing
             for first in range(0, len(prompts), batch_size):
-                self.schedule(len(prompts[first : first + batch_size]))
+                self.schedule(system, len(prompts[first : first + batch_size]))
         sequences, latencies, ttft = [], [], []
         forwards = committed = 0
         accepted = verified = None
@@ -291,7 +299,7 @@ def plot(rows: list[Row], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--domains", nargs="+", default=list(prompt_sets.DOMAINS), choices=prompt_sets.DOMAINS)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--prompts", type=int, default=6, help="prompts per cell (at least one full batch)")
     parser.add_argument("--max-new-tokens", type=int, default=40, help="new tokens per request at most")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])

@@ -372,7 +372,7 @@ def speculative_step(state: DecodeState) -> None:
         state.schedule.record(num_verified, verdict.num_emitted)
     record_step(state.stats, running.rows, num_verified, verdict.num_accepted, drafting, start, verify_start)
 
-    commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits.float())
+    commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits)
     kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
     crop_cache(running.cache, running.cache_mask.shape[1] + kept)
     kept_mask = torch.arange(kept, device=block_ids.device)[None] < verdict.num_emitted[:, None]
@@ -399,7 +399,7 @@ def commit(
         token_ids: ``[R, W]`` emitted tokens of the running rows (-1 after ``num_emitted``).
         num_emitted: ``[R]`` how many.
         scores: ``[R, W, V]`` processed logits each token was chosen from.
-        raw_logits: ``[R, W, V]`` the target's raw logits for them.
+        raw_logits: ``[R, W, V]`` the target's raw logits for them (recorded in float32).
     """
     settings, running_rows = state.settings, state.running.rows
     start_lengths = state.lengths[running_rows].clone()
@@ -419,7 +419,7 @@ def commit(
         state.unfinished[rows] &= ~stop
         for recorded, values in ((state.scores, scores), (state.raw_logits, raw_logits)):
             if recorded is not None:
-                for row, row_values in zip(rows.tolist(), values[live, slot], strict=True):
+                for row, row_values in zip(rows.tolist(), values[live, slot].float(), strict=True):
                     recorded[row].append(row_values)
     if settings.streamer is not None:  # batch size 1: the only row is row 0
         chunk = state.token_ids[0, int(start_lengths[0]) : int(state.lengths[0])]
