@@ -11,7 +11,7 @@ from test_generation import PAD, VOCAB, oracle, prompts, tiny_head, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
-from spark_generate import DSparkForCausalLM, FixedLength, decode
+from spark_generate import ConfidenceThreshold, DSparkForCausalLM, FixedLength, decode
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +161,42 @@ def test_errors(llama):
         DSparkForCausalLM(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="needs a draft head"):
         llama.generate(input_ids, max_new_tokens=4, custom_generate=decode)
+
+
+def test_rough_edges_a_transformers_user_hits(llama):
+    """Transformers' keyword, a list of ids, and a schedule given by name behave as a user expects."""
+    model = DSparkForCausalLM(llama)
+    head = tiny_head(llama)
+    input_ids, _ = prompts(1)
+    kwargs = {"do_sample": False, "max_new_tokens": 6}
+    plain = llama.generate(input_ids, **kwargs)
+    assert torch.equal(model.generate(input_ids, assistant_model=head, **kwargs), plain)
+    assert torch.equal(model.generate(input_ids[0].tolist(), assistant=head, **kwargs), plain)
+    assert torch.equal(model.generate(input_ids.tolist(), assistant=head, **kwargs), plain)
+    with pytest.raises(ValueError, match="lengths"):
+        model.generate([[3, 4, 5], [6, 7]], assistant=head, **kwargs)
+    with pytest.raises(ValueError, match=r"schedule='confidence' is not a schedule.*ConfidenceThreshold"):
+        model.generate(input_ids, assistant=head, schedule="confidence", **kwargs)
+    with pytest.raises(ValueError, match="both assistant= and assistant_model="):
+        model.generate(input_ids, assistant=head, assistant_model=head, **kwargs)
+
+
+def test_summary_says_n_a_for_slots_never_verified(llama):
+    """A threshold that verifies nothing reports n/a per slot, not an acceptance of 0.00."""
+    model = DSparkForCausalLM(llama, tiny_head(llama, enable_confidence_head=True))
+    input_ids, _ = prompts(1)
+    out = model.generate(
+        input_ids, do_sample=False, max_new_tokens=6, schedule=ConfidenceThreshold(1.0), return_dict_in_generate=True
+    )
+    assert int(out.dspark_stats.num_drafted.sum()) == 0
+    assert "acceptance by draft position: n/a n/a n/a n/a" in out.dspark_stats.summary()
+
+
+def test_default_schedule_uses_the_calibration_of_a_head_folder(llama, tmp_path):
+    head = tiny_head(llama, enable_confidence_head=True)
+    head.save_pretrained(tmp_path)
+    (tmp_path / "calibration.json").write_text('{"temperatures": [1.0, 2.0, 3.0, 4.0]}')
+    model = DSparkForCausalLM(llama, tmp_path)
+    assert model._temperatures[model.head].tolist() == [1.0, 2.0, 3.0, 4.0]
+    input_ids, _ = prompts(1)
+    assert torch.equal(model.generate(input_ids, max_new_tokens=6), llama.generate(input_ids, max_new_tokens=6))
