@@ -90,7 +90,11 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int = DEFAULT_NUM
 
 
 def resolve_sample_from_anchor(config_dict: dict[str, Any]) -> bool:
-    """Applies the slot-convention rule to a speculators ``config.json`` dict (spec §6.5).
+    """Applies the slot-convention rule to a speculators ``config.json`` dict.
+
+    Early speculators DSpark checkpoints were trained with the DFlash convention and may lack the
+    field, while vLLM defaults a missing field to True; the rule below reads what such a file does
+    say about its slots before falling back to the DFlash convention.
 
     1. If ``sample_from_anchor`` is present, it is obeyed.
     2. Else it is inferred from ``speculators_config.proposal_methods[0].speculative_tokens``:
@@ -133,6 +137,23 @@ def draft_layer_config(fields: dict[str, Any]) -> Qwen3Config:
     return Qwen3Config(**fields)
 
 
+def _ignore_final_logit_softcapping(softcap: float | None) -> None:
+    """Warns about a ``final_logit_softcapping`` key, written by earlier versions for Gemma targets.
+
+    Such heads soft-capped their draft logits and scaled block embeddings by ``sqrt(H)``, which
+    speculators and vLLM never do; the key is dropped and the head runs (and is saved) with their
+    computation, which it was not trained for.
+    """
+    if softcap is not None:
+        warnings.warn(
+            f"the head config has final_logit_softcapping={softcap}: it was saved by an older spark_generate "
+            "that soft-capped draft logits and scaled block embeddings for Gemma targets. Draft heads now use "
+            "raw embedding rows and uncapped logits, as speculators and vLLM do; the key is ignored. Retrain "
+            "the head if its acceptance drops.",
+            stacklevel=3,
+        )
+
+
 def _fail(field: str, given: Any, expected: str, fix: str) -> DSparkConfigError:
     return DSparkConfigError(f"{field}={given!r} is invalid: expected {expected}. {fix}")
 
@@ -161,7 +182,6 @@ class DSparkConfig(PretrainedConfig):
         confidence_head_with_markov: Whether the confidence head also reads ``W1[x_{k-1}]``.
         transformer_layer_config: The draft decoder's shape (a ``Qwen3Config`` or its dict).
         num_target_layers: ``L`` of the target, used to check tap layers; ``None`` if unknown.
-        final_logit_softcapping: ``s`` of ``tanh(U / s) * s`` on base logits (Gemma targets).
         verifier_name_or_path: Hub id or path of the target the head was trained for.
         verifier_architectures: The target's ``architectures``.
         speculators_config: The speculators block read from a file; only its verifier fields and
@@ -187,7 +207,6 @@ class DSparkConfig(PretrainedConfig):
         confidence_head_with_markov: bool = True,
         transformer_layer_config: Qwen3Config | dict[str, Any] | None = None,
         num_target_layers: int | None = None,
-        final_logit_softcapping: float | None = None,
         verifier_name_or_path: str | None = None,
         verifier_architectures: list[str] | None = None,
         speculators_config: dict[str, Any] | None = None,
@@ -198,6 +217,7 @@ class DSparkConfig(PretrainedConfig):
         sliding_window_non_causal = kwargs.pop("sliding_window_non_causal", False)
         for generated_key in ("speculators_model_type", "tie_word_embeddings"):
             kwargs.pop(generated_key, None)
+        _ignore_final_logit_softcapping(kwargs.pop("final_logit_softcapping", None))
         if sample_from_anchor is None and speculators_config is None:
             sample_from_anchor = DEFAULT_SAMPLE_FROM_ANCHOR
         elif sample_from_anchor is None:
@@ -220,7 +240,6 @@ class DSparkConfig(PretrainedConfig):
         self.enable_confidence_head = enable_confidence_head
         self.confidence_head_with_markov = confidence_head_with_markov
         self.num_target_layers = num_target_layers
-        self.final_logit_softcapping = final_logit_softcapping
         self.verifier_name_or_path = verifier_name_or_path or verifier.get("name_or_path")
         self.verifier_architectures = verifier_architectures or verifier.get("architectures")
         super().__init__(tie_word_embeddings=False, **kwargs)
@@ -295,7 +314,6 @@ class DSparkConfig(PretrainedConfig):
             "transformer_layer_config": layer_config,
             "mask_token_id": pad if pad is not None else eos,
             "num_target_layers": text.num_hidden_layers,
-            "final_logit_softcapping": getattr(text, "final_logit_softcapping", None),
             "verifier_name_or_path": target_config.name_or_path or None,
             "verifier_architectures": list(architectures) if architectures else None,
         }
@@ -460,7 +478,6 @@ class DSparkConfig(PretrainedConfig):
             "sliding_window_non_causal": False,
             "tie_word_embeddings": False,
             "num_target_layers": self.num_target_layers,
-            "final_logit_softcapping": self.final_logit_softcapping,
             "speculators_config": {
                 "algorithm": "dspark",
                 "proposal_methods": [

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from spark_generate.config import DSparkConfigError
+from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads import DSparkHead, MarkovHead, block_attention_mask
 
 VOCAB = 96
@@ -108,25 +108,60 @@ def test_markov_variants_match_the_formulas(head_type):
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("draft_vocab_size", [None, 40])
-def test_serial_steps_equal_teacher_forced_logits(llama, head_type, draft_vocab_size):
-    head = tiny_head(llama, markov_head_type=head_type, draft_vocab_size=draft_vocab_size)
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["anchor-first", "dflash-slots"])
+def test_serial_steps_equal_teacher_forced_logits(llama, head_type, draft_vocab_size, sample_from_anchor):
+    head = tiny_head(
+        llama, markov_head_type=head_type, draft_vocab_size=draft_vocab_size, sample_from_anchor=sample_from_anchor
+    )
     for parameter in head.markov_head.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
     features = target_features(head, llama, 6)
     block_tokens = torch.randint(0, VOCAB, (2, 1, 4))
+    num_draft = head.config.num_draft_tokens
     with torch.no_grad():
         out = head(block_tokens, torch.full((2, 1), 6), target_hidden_states=features)
-        forced = head.teacher_forced(out.base_logits, out.draft_hidden, block_tokens)
-        state, serial_logits, serial_confidence = None, [], []
-        for j in range(head.config.num_draft_tokens):
+        forced = head.teacher_forced(
+            out.base_logits, out.draft_hidden, block_tokens[..., :num_draft], out.markov_state
+        )
+        state, serial_logits, serial_confidence = out.first_markov_state(0), [], []
+        for j in range(num_draft):
             step = head.draft_step(out.base_logits[:, 0, j], out.draft_hidden[:, 0, j], block_tokens[:, 0, j], state)
             state = step.markov_state
             serial_logits.append(step.draft_logits)
             serial_confidence.append(step.confidence_logits)
-    assert forced.draft_logits.shape == (2, 1, 4, draft_vocab_size or VOCAB)
+    assert forced.draft_logits.shape == (2, 1, num_draft, draft_vocab_size or VOCAB)
+    # The same ops on differently shaped tensors ([B, 1, S, ·] against [B, ·] per step): the matmul
+    # kernels, and with several threads their split of the sums, differ, so only ATOL agreement holds.
     torch.testing.assert_close(forced.draft_logits[:, 0], torch.stack(serial_logits, 1), rtol=0, atol=ATOL)
     torch.testing.assert_close(forced.confidence_logits[:, 0], torch.stack(serial_confidence, 1), rtol=0, atol=ATOL)
     assert not torch.allclose(forced.draft_logits, out.base_logits), "the Markov bias must change the logits"
+
+
+def test_rnn_recurrence_steps_over_the_anchor_slot_with_dflash_slots(llama):
+    """As in speculators: predecessors ``[x_p, x_p, x_{p+1}, ...]`` over all K slots; slot 0 drafts nothing."""
+    anchor_first = tiny_head(llama, markov_head_type="rnn")
+    dflash_slots = tiny_head(llama, markov_head_type="rnn", sample_from_anchor=False)
+    for parameter in anchor_first.markov_head.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    dflash_slots.load_state_dict(anchor_first.state_dict())
+    features = target_features(anchor_first, llama, 6)
+    block_tokens = torch.randint(0, VOCAB, (2, 1, 4))
+    with torch.no_grad():
+        all_slots = anchor_first(block_tokens, torch.full((2, 1), 6), target_hidden_states=features)
+        out = dflash_slots(block_tokens, torch.full((2, 1), 6), target_hidden_states=features)
+        forced = dflash_slots.teacher_forced(
+            out.base_logits, out.draft_hidden, block_tokens[..., :3], out.markov_state
+        )
+    assert out.markov_state.shape == (2, 1, 8)
+    predecessors = torch.cat([block_tokens[:, 0, :1], block_tokens[:, 0, :3]], dim=1)
+    bias = hand_markov("rnn", dflash_slots.markov_head, predecessors, all_slots.draft_hidden[:, 0])
+    torch.testing.assert_close(forced.draft_logits[:, 0] - out.base_logits[:, 0], bias[:, 1:], rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match=r"markov_state=None is invalid.*first_markov_state"):
+        dflash_slots.draft_step(out.base_logits[:, 0, 0], out.draft_hidden[:, 0, 0], block_tokens[:, 0, 0])
+    with pytest.raises(ValueError, match=r"markov_state=None is invalid.*out.markov_state to teacher_forced"):
+        dflash_slots.teacher_forced(out.base_logits, out.draft_hidden, block_tokens[..., :3])
+    with pytest.raises(ValueError, match="advance\\(\\) runs the rnn recurrence, but this Markov head is 'vanilla'"):
+        tiny_head(llama).markov_head.advance(block_tokens[:, 0, 0], out.draft_hidden[:, 0, 0])
 
 
 def test_markov_rank_zero_is_pure_dflash(llama):
@@ -239,8 +274,13 @@ def test_slot_convention_both_ways(llama):
         all_slots = anchor_first(block, torch.full((2, 1), 5), target_hidden_states=features)
         skip_anchor = dflash_slots(block, torch.full((2, 1), 5), target_hidden_states=features)
     assert all_slots.base_logits.shape[2] == 4 and skip_anchor.base_logits.shape[2] == 3
+    assert skip_anchor.markov_state is None, "only an rnn head carries a state over the anchor slot"
     # Draft token j comes from slot j (anchor-first) or slot j + 1 (DFlash); the anchor slot is unused.
-    torch.testing.assert_close(skip_anchor.base_logits, all_slots.base_logits[:, :, 1:], rtol=0, atol=0)
+    # The hidden states are one computation on identical tensors, sliced afterwards: bitwise equal.
+    assert torch.equal(skip_anchor.draft_hidden, all_slots.draft_hidden[:, :, 1:])
+    # The LM head then multiplies 3 slots against 4: with several threads the matmul splits its sums
+    # differently for the two shapes, so the logits agree to float32 rounding only.
+    torch.testing.assert_close(skip_anchor.base_logits, all_slots.base_logits[:, :, 1:], rtol=0, atol=ATOL)
     # Its predecessor is block token j either way: the anchor for the first draft token.
     step = dflash_slots.draft_step(skip_anchor.base_logits[:, 0, 0], skip_anchor.draft_hidden[:, 0, 0], block[:, 0, 0])
     forced = dflash_slots.teacher_forced(skip_anchor.base_logits, skip_anchor.draft_hidden, block[..., :3])
@@ -323,12 +363,29 @@ def test_unattached_head_and_final_layer_taps_are_refused(llama):
         )
 
 
-def test_gemma_softcapping_is_applied_to_base_logits():
+def test_gemma_blocks_use_raw_embedding_rows_and_uncapped_logits():
+    """As speculators and vLLM: no sqrt(H) embedding scale and no final-logit soft-cap in the draft."""
     target = tiny_target("gemma3")
-    head = tiny_head(target, final_logit_softcapping=2.0)
+    target.config.final_logit_softcapping = 2.0
+    head = tiny_head(target)
     hidden = torch.randn(3, 64) * 10
-    logits = head.base_logits(hidden)
-    torch.testing.assert_close(logits, torch.tanh(target.lm_head(hidden) / 2.0) * 2.0)
+    assert torch.equal(head.base_logits(hidden), target.lm_head(hidden))
+    features = target_features(head, target, 6)
+    block = head.block_input_ids(torch.tensor([3, 7]))
+    with torch.no_grad():
+        scaled = head(block, torch.full((2, 1), 6), target_hidden_states=features)
+        assert target.get_input_embeddings().embed_scale == 8.0, "Gemma scales its embeddings by sqrt(64)"
+        target.model.embed_tokens = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight)
+        raw = head.attach(target)(block, torch.full((2, 1), 6), target_hidden_states=features)
+    assert torch.equal(scaled.base_logits, raw.base_logits)
+
+
+def test_a_final_logit_softcapping_key_is_ignored_with_a_warning(llama):
+    config = tiny_head(llama).config.to_dict()
+    assert "final_logit_softcapping" not in config
+    with pytest.warns(UserWarning, match="final_logit_softcapping=30.0.*the key is ignored"):
+        reread = DSparkConfig(**{**config, "final_logit_softcapping": 30.0})
+    assert reread.to_dict() == config
 
 
 @pytest.mark.skipif(

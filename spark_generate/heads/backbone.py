@@ -3,7 +3,7 @@
 The target's tapped hidden states are fused once (``fc`` then ``hidden_norm``, in
 :class:`~spark_generate.heads.DSparkHead`) into context features ``C``, one row per target position.
 Each draft layer projects ``C`` with its *own* ``k_proj``/``v_proj`` and attends, from the block
-queries only, jointly over ``[context rows ; block rows]`` (spec §1.2, paper eq. 3)::
+queries only, jointly over ``[context rows ; block rows]`` (DSpark, arXiv 2607.05147, eq. 3)::
 
     Ẑ = input_layernorm(Z)                           Z: block states [B, N·K, H]
     Q = RoPE(q_norm(W_Q Ẑ))                          at block positions p + k
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
+
+from spark_generate.hf import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
 
 class DraftKVCache:

@@ -5,7 +5,7 @@ One drafting round of the generation loop reads, top to bottom::
     features = head.select_target_features(target_out.hidden_states)      # [B, C_new, m·H]
     out = head(head.block_input_ids(anchor_ids), anchor_positions,         # one parallel pass
                target_hidden_states=features, draft_cache=cache)           # -> [B, 1, S, ·]
-    prev, state = anchor_ids, None
+    prev, state = anchor_ids, out.first_markov_state(0)
     for j in range(head.config.num_draft_tokens):                          # the sequential stage
         step = head.draft_step(out.base_logits[:, 0, j], out.draft_hidden[:, 0, j], prev, state)
         draft_ids = <sample from step.draft_logits>                       # not the head's job
@@ -17,7 +17,22 @@ only a reduced-vocabulary LM head (``V_d < V`` rows, required by the speculators
 and saved, with the ``t2d``/``d2t`` maps. Draft token ``j`` (``S = num_draft_tokens`` of them) comes
 from backbone slot ``j`` when ``sample_from_anchor`` else slot ``j + 1``; its Markov predecessor is
 always block token ``j`` (the anchor for ``j = 0``), so training predecessors are
-``block_token_ids[..., :S]`` in both conventions.
+``block_token_ids[..., :S]`` in both conventions. In the second convention an ``rnn`` Markov head
+also steps over the anchor slot, so the first draft token starts from the state
+``out.markov_state`` rather than from zero (see :mod:`spark_generate.heads.markov`).
+
+Block tokens are embedded as the *raw rows* of the target's input-embedding table, and the base
+logits are the target LM head's raw output: for Gemma-family targets, neither the ``sqrt(H)``
+embedding scale nor the final-logit soft-cap is applied. This is what the two runtimes of the
+speculators ``"dspark"`` format compute, and they agree: speculators trains on a copy of the
+verifier's ``embed_tokens.weight`` and ``lm_head(norm(h))``; vLLM's DSpark and DFlash drafters
+(``qwen3_dspark.py``, ``qwen3_dflash.py``) share the target's ``VocabParallelEmbedding`` module,
+a plain lookup (its Gemma models apply the ``sqrt(H)`` normalizer in the model's forward, outside
+that module), and compute draft logits with a ``LogitsProcessor`` that has no soft-cap. A head
+that scaled or capped would therefore draft differently once served. (DeepSpec's Gemma-4 drafter
+applies both, but it also uses Gemma-4 decoder layers: it is a different model, not read here.)
+The soft-cap still matters for training, since the *target's* distribution is capped; the trainer
+applies it to the target logits it supervises with.
 """
 
 from __future__ import annotations
@@ -26,15 +41,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads.backbone import DraftKVCache, DSparkDecoderLayer, block_attention_mask
 from spark_generate.heads.confidence import ConfidenceHead
 from spark_generate.heads.hub_io import DSparkHubMixin
 from spark_generate.heads.markov import MarkovHead, MarkovStep
+from spark_generate.hf import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -43,11 +59,19 @@ class DSparkBackboneOutput:
 
     Attributes:
         draft_hidden: ``[B, N, S, H]`` final-normed hidden states ``h``.
-        base_logits: ``[B, N, S, V_d]`` backbone logits ``U`` (soft-capped for Gemma targets).
+        base_logits: ``[B, N, S, V_d]`` backbone logits ``U``.
+        markov_state: ``[B, N, r]`` the ``rnn`` state the first draft token of each block starts
+            from, when the recurrence has stepped over a non-drafting anchor slot (``rnn`` head,
+            ``sample_from_anchor=False``); None otherwise (the zero state).
     """
 
     draft_hidden: torch.Tensor
     base_logits: torch.Tensor
+    markov_state: torch.Tensor | None = None
+
+    def first_markov_state(self, block: int) -> torch.Tensor | None:
+        """The ``[B, r]`` state to pass to :meth:`DSparkHead.draft_step` for draft token 0 of ``block``."""
+        return None if self.markov_state is None else self.markov_state[:, block]
 
 
 @dataclass(frozen=True)
@@ -302,7 +326,8 @@ class DSparkHead(DSparkHubMixin):
             draft_cache: Keeps context rows across rounds (inference); block rows never enter it.
 
         Returns:
-            Hidden states and base logits of the drafting slots.
+            Hidden states and base logits of the drafting slots, and for an ``rnn`` head with
+            ``sample_from_anchor=False`` the Markov state after the anchor slot.
         """
         target = self._require_target()
         batch, num_blocks, block_size = block_input_ids.shape
@@ -321,25 +346,47 @@ class DSparkHead(DSparkHubMixin):
         slots = torch.arange(block_size, device=block_input_ids.device)
         block_positions = (anchor_positions[..., None] + slots).reshape(batch, -1)
         mask = block_attention_mask(all_context_positions, anchor_positions, block_size)
+        # Raw embedding rows, never the module's forward: Gemma's embedding module scales by
+        # sqrt(H), which neither speculators nor vLLM apply to draft blocks (module docstring).
         # With a target split over devices (device_map), its embedding and LM head may live on
         # other devices than the head: bring their outputs to the head's device.
-        embeddings = target.embed_tokens(block_input_ids.reshape(batch, -1))
+        embedding_table = target.embed_tokens.weight
+        embeddings = F.embedding(block_input_ids.reshape(batch, -1).to(embedding_table.device), embedding_table)
         states = embeddings.to(self.fc.weight.device, self.fc.weight.dtype)
         rope = self.rotary_emb(states, torch.cat([context_position_ids, block_positions], dim=1))
         for layer in self.layers:
             states = layer(states, context_features, rope, mask, draft_cache)
-        first_slot = 0 if self.config.sample_from_anchor else 1
-        draft_hidden = self.norm(states).view(batch, num_blocks, block_size, -1)[:, :, first_slot:]
-        return DSparkBackboneOutput(draft_hidden, self.base_logits(draft_hidden))
+        hidden = self.norm(states).view(batch, num_blocks, block_size, -1)
+        if self.config.sample_from_anchor:
+            return DSparkBackboneOutput(hidden, self.base_logits(hidden))
+        markov_state = None
+        if self._anchor_slot_advances_markov_state:
+            markov_state = self.markov_head.advance(block_input_ids[..., 0], hidden[:, :, 0])
+        draft_hidden = hidden[:, :, 1:]
+        return DSparkBackboneOutput(draft_hidden, self.base_logits(draft_hidden), markov_state)
 
     def base_logits(self, draft_hidden: torch.Tensor) -> torch.Tensor:
-        """Backbone logits over the draft vocabulary: ``[*, H] -> [*, V_d]``."""
+        """Backbone logits over the draft vocabulary, never soft-capped: ``[*, H] -> [*, V_d]``."""
         lm_head = self.lm_head if self.lm_head is not None else self._require_target().lm_head
-        logits = lm_head(draft_hidden.to(lm_head.weight.dtype)).to(draft_hidden.device)
-        softcap = self.config.final_logit_softcapping
-        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+        return lm_head(draft_hidden.to(lm_head.weight.dtype)).to(draft_hidden.device)
 
     # ------------------------------------------------------------------- Markov and confidence
+
+    @property
+    def _anchor_slot_advances_markov_state(self) -> bool:
+        """Whether the first draft token's ``rnn`` state comes from the anchor slot (not zero)."""
+        return (
+            self.markov_head is not None and self.markov_head.head_type == "rnn" and not self.config.sample_from_anchor
+        )
+
+    def _check_markov_state(self, markov_state: torch.Tensor | None) -> None:
+        if markov_state is None and self._anchor_slot_advances_markov_state:
+            raise ValueError(
+                "markov_state=None is invalid for an rnn Markov head with sample_from_anchor=False: the "
+                "recurrence has already stepped over the anchor slot, so every draft token needs a state. "
+                "Pass the backbone output's state for the first draft token (out.first_markov_state(n) to "
+                "draft_step, out.markov_state to teacher_forced), then each step's markov_state."
+            )
 
     def _correct(
         self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, markov: MarkovStep | None
@@ -364,8 +411,14 @@ class DSparkHead(DSparkHubMixin):
             draft_hidden: ``[B, H]`` its hidden state.
             prev_token_ids: ``[B]`` predecessor as *target* ids: the anchor for ``j = 0``, then
                 ``draft_to_target_ids(sampled draft ids)``.
-            markov_state: The previous step's ``markov_state`` (None at ``j = 0``).
+            markov_state: ``[B, r]`` the previous step's ``markov_state``; at ``j = 0`` the backbone
+                output's ``first_markov_state(n)`` (None except for an ``rnn`` head with
+                ``sample_from_anchor=False``).
+
+        Raises:
+            ValueError: If an ``rnn`` head with ``sample_from_anchor=False`` gets no state.
         """
+        self._check_markov_state(markov_state)
         markov = (
             None if self.markov_head is None else self.markov_head.step(prev_token_ids, draft_hidden, markov_state)
         )
@@ -373,7 +426,11 @@ class DSparkHead(DSparkHubMixin):
         return DraftStep(draft_logits, confidence_logits, None if markov is None else markov.state)
 
     def teacher_forced(
-        self, base_logits: torch.Tensor, draft_hidden: torch.Tensor, prev_token_ids: torch.Tensor
+        self,
+        base_logits: torch.Tensor,
+        draft_hidden: torch.Tensor,
+        prev_token_ids: torch.Tensor,
+        markov_state: torch.Tensor | None = None,
     ) -> DraftBlockLogits:
         """The parallel path: logits of all draft tokens from ground-truth predecessors.
 
@@ -381,6 +438,14 @@ class DSparkHead(DSparkHubMixin):
             base_logits: ``[*, S, V_d]``.
             draft_hidden: ``[*, S, H]``.
             prev_token_ids: ``[*, S]`` target ids, ``block_token_ids[..., :S]`` (anchor first).
+            markov_state: ``[*, r]`` the backbone output's ``markov_state`` (None except for an
+                ``rnn`` head with ``sample_from_anchor=False``).
+
+        Raises:
+            ValueError: If an ``rnn`` head with ``sample_from_anchor=False`` gets no state.
         """
-        markov = None if self.markov_head is None else self.markov_head.teacher_forced(prev_token_ids, draft_hidden)
+        self._check_markov_state(markov_state)
+        markov = None
+        if self.markov_head is not None:
+            markov = self.markov_head.teacher_forced(prev_token_ids, draft_hidden, markov_state)
         return DraftBlockLogits(*self._correct(base_logits, draft_hidden, markov))

@@ -13,6 +13,8 @@ frozen copies of the target they carry:
   ``architectures: ["Qwen3DSparkModel"]``, ``num_hidden_layers`` = draft layers, 0-based
   ``target_layer_ids``, full vocabulary, always anchor-first; it stores full-vocabulary copies of
   ``embed_tokens`` and ``lm_head``, which are dropped here (the attached target provides them).
+  DeepSpec's Gemma-4 drafter (``Gemma4DSparkModel``: Gemma-4 draft layers, ``sqrt(H)``-scaled
+  embeddings, soft-capped draft logits) computes something else and is refused.
 
 Loading is all or nothing: the whole state dict is read and checked against the head (missing,
 unexpected and mis-shaped tensors, inconsistent vocabulary maps) before any weight is copied, and
@@ -47,8 +49,8 @@ DEEPSPEC_FIELDS = (
     "markov_head_type",
     "enable_confidence_head",
     "confidence_head_with_markov",
-    "final_logit_softcapping",
 )
+DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
 # Frozen copies of the target or training-only tensors that some checkpoints carry; the attached
 # target provides the embedding (and the LM head for a full vocabulary).
 IGNORED_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight", "mask_embedding")
@@ -145,7 +147,19 @@ def is_deepspec_config(raw: dict[str, Any]) -> bool:
 
 
 def config_from_deepspec(raw: dict[str, Any], *, sample_from_anchor: bool | None) -> DSparkConfig:
-    """Converts DeepSpec's config (a target config plus DSpark fields) to a :class:`DSparkConfig`."""
+    """Converts DeepSpec's config (a target config plus DSpark fields) to a :class:`DSparkConfig`.
+
+    Raises:
+        DSparkConfigError: For a DeepSpec drafter other than ``Qwen3DSparkModel``.
+    """
+    architectures = raw.get("architectures") or []
+    if architectures != [DEEPSPEC_ARCHITECTURE]:
+        raise DSparkConfigError(
+            f"architectures={architectures}: expected [{DEEPSPEC_ARCHITECTURE!r}]. spark_generate runs the "
+            "speculators DSpark computation (Qwen3 draft layers, raw embedding rows, uncapped draft logits); "
+            "DeepSpec's other drafters, such as Gemma4DSparkModel, differ in all three. Use a speculators-format "
+            "head for this target."
+        )
     fields = {key: raw[key] for key in DEEPSPEC_FIELDS if key in raw}
     ignored = {*DEEPSPEC_FIELDS, "architectures", "model_type", "transformers_version", "num_anchors", "auto_map"}
     layer_fields = {key: value for key, value in raw.items() if key not in ignored and not key.startswith("_")}

@@ -17,6 +17,13 @@ the backbone's final-normed hidden state for that draft token. Training feeds gr
 predecessors to :meth:`MarkovHead.teacher_forced` (parallel, except the ``rnn`` recurrence);
 inference calls :meth:`MarkovHead.step` once per draft token with the token just sampled. Both
 give identical biases for identical predecessors.
+
+The ``rnn`` recurrence runs over every slot of a block, as in speculators (the format's owner):
+with the DFlash slot convention (``sample_from_anchor=False``) the anchor slot drafts nothing but
+still advances the state, with the anchor as predecessor and the anchor slot's hidden state, so
+the first draft token starts from ``s_1 = MarkovHead.advance(anchor, h_anchor, s_0 = 0)`` rather
+than from zero (its predecessor is the anchor again). :class:`~spark_generate.heads.DSparkHead`
+computes that state in its backbone pass.
 """
 
 from __future__ import annotations
@@ -90,27 +97,56 @@ class MarkovHead(nn.Module):
         if self.head_type == "gated":
             gate = torch.sigmoid(self.gate_proj(torch.cat([draft_hidden, prev_embeddings], dim=-1)))
             return MarkovStep(self.markov_w2(gate * prev_embeddings), prev_embeddings, None)
+        output_logits, next_state = self._recur(prev_embeddings, draft_hidden, state)
+        return MarkovStep(self.markov_w2(torch.tanh(output_logits)), prev_embeddings, next_state)
+
+    def advance(self, prev_token_ids: torch.Tensor, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """Runs the ``rnn`` recurrence over one slot from ``s_0 = 0`` and returns ``s_1`` (no bias).
+
+        This is the step over an anchor slot that drafts nothing (DFlash slot convention).
+
+        Args:
+            prev_token_ids: ``[*]`` target ids of the anchors.
+            draft_hidden: ``[*, H]`` the anchor slot's hidden states.
+
+        Returns:
+            ``[*, r]`` the state the first draft token starts from.
+
+        Raises:
+            ValueError: If the head is not an ``rnn`` head (the others have no state).
+        """
+        if self.head_type != "rnn":
+            raise ValueError(f"advance() runs the rnn recurrence, but this Markov head is {self.head_type!r}")
+        prev_embeddings = self.markov_w1(prev_token_ids)
+        return self._recur(prev_embeddings, draft_hidden.to(prev_embeddings.dtype), None)[1]
+
+    def _recur(
+        self, prev_embeddings: torch.Tensor, draft_hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``rnn`` step: ``[*, r]`` output logits ``a_o`` (from ``s_{k-1}``) and ``[*, r]`` state ``s_k``."""
         if state is None:
             state = torch.zeros_like(prev_embeddings)
         joint = self.joint_proj(torch.cat([state, prev_embeddings, draft_hidden], dim=-1))
         gate_logits, candidate_logits, output_logits = joint.chunk(3, dim=-1)
         gate = torch.sigmoid(gate_logits)
-        next_state = gate * state + (1 - gate) * torch.tanh(candidate_logits)
-        return MarkovStep(self.markov_w2(torch.tanh(output_logits)), prev_embeddings, next_state)
+        return output_logits, gate * state + (1 - gate) * torch.tanh(candidate_logits)
 
-    def teacher_forced(self, prev_token_ids: torch.Tensor, draft_hidden: torch.Tensor) -> MarkovStep:
+    def teacher_forced(
+        self, prev_token_ids: torch.Tensor, draft_hidden: torch.Tensor, state: torch.Tensor | None = None
+    ) -> MarkovStep:
         """Computes the biases of all draft tokens of a block from ground-truth predecessors.
 
         Args:
             prev_token_ids: ``[*, S]`` target ids of the predecessors of the ``S`` draft tokens.
             draft_hidden: ``[*, S, H]``.
+            state: ``[*, r]`` state the first draft token starts from (``rnn``; None means zero).
 
         Returns:
             ``bias [*, S, V_d]``, ``prev_embeddings [*, S, r]`` and the final state (``rnn``) or None.
         """
         if self.head_type != "rnn":
             return self.step(prev_token_ids, draft_hidden, None)
-        state, biases, embeddings = None, [], []
+        biases, embeddings = [], []
         for slot in range(prev_token_ids.shape[-1]):
             markov = self.step(prev_token_ids[..., slot], draft_hidden[..., slot, :], state)
             state = markov.state

@@ -146,7 +146,8 @@ def _target_pass(
         flat = logit_positions.reshape(last.shape[0], -1)
         picked = last.gather(1, flat[..., None].expand(-1, -1, last.shape[-1]))
         logits = target.get_output_embeddings()(picked).float().view(*logit_positions.shape, -1)
-        softcap = head.config.final_logit_softcapping
+        # The target's forward soft-caps its logits (Gemma); the draft head's logits are never capped.
+        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if head.has_reduced_vocab:
