@@ -58,7 +58,12 @@ def test_save_load_round_trip(tmp_path, architecture, markov_head_type):
 def test_saved_folder_is_the_speculators_format(tmp_path, qwen3):
     head = tiny_head(qwen3, markov_head_type="gated", draft_vocab_size=40)
     head.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "README.md",
+        "config.json",
+        "custom_generate",
+        "model.safetensors",
+    ]
     config = json.loads((tmp_path / "config.json").read_text())
     print(json.dumps(config, indent=2))
     assert config["speculators_model_type"] == "dspark"
@@ -146,6 +151,13 @@ def test_deepspec_folder_loads_and_matches_the_native_head(tmp_path, qwen3, mark
     assert torch.equal(draft_logits(native, qwen3), draft_logits(converted, qwen3))
 
 
+def test_deepspec_drafters_other_than_qwen3_are_refused(tmp_path, qwen3):
+    write_deepspec_folder(tiny_head(qwen3), qwen3, tmp_path)
+    rewrite_config(tmp_path, architectures=["Gemma4DSparkModel"], final_logit_softcapping=30.0)
+    with pytest.raises(DSparkCheckpointError, match=r"config.json: architectures=\['Gemma4DSparkModel'\]: expected"):
+        DSparkHead.from_pretrained(tmp_path)
+
+
 def test_deepspec_slot_override(tmp_path, qwen3):
     write_deepspec_folder(tiny_head(qwen3), qwen3, tmp_path)
     assert DSparkHead.from_pretrained(tmp_path, sample_from_anchor=False).config.sample_from_anchor is False
@@ -231,7 +243,10 @@ def saved(tmp_path, qwen3) -> Path:
 
 def test_missing_weight_file(saved):
     (saved / "model.safetensors").unlink()
-    with pytest.raises(DSparkCheckpointError, match=r"has no model.safetensors.*found \['README.md', 'config.json'\]"):
+    with pytest.raises(
+        DSparkCheckpointError,
+        match=r"has no model.safetensors.*found \['README.md', 'config.json', 'custom_generate'\]",
+    ):
         DSparkHead.from_pretrained(saved)
 
 
@@ -311,6 +326,7 @@ def test_nothing_is_left_behind_by_a_failed_load(saved, tmp_path):
     assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == [
         "README.md",
         "config.json",
+        "custom_generate",
         "model.safetensors",
     ]
 
@@ -323,17 +339,28 @@ def test_push_to_hub_uploads_through_the_mixin_and_keeps_the_card(monkeypatch, q
     monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *_, **__: ModelCard("generic card"))
 
     def record_upload(self, working_dir, repo_id, **_):
-        uploaded.update({path.name: path.read_bytes() for path in Path(working_dir).iterdir()})
+        uploaded.update(
+            {path.relative_to(working_dir).as_posix(): path.read_bytes() for path in files_under(working_dir)}
+        )
         return "commit-info"
 
     monkeypatch.setattr(DSparkHead, "_upload_modified_files", record_upload)
     monkeypatch.setattr(ModelCard, "push_to_hub", lambda card, repo_id, **_: cards.append((repo_id, card.content)))
     assert tiny_head(qwen3).push_to_hub("org/tiny-dspark") == "commit-info"
-    assert {"config.json", "model.safetensors"} <= set(uploaded)
+    assert {
+        "config.json",
+        "model.safetensors",
+        "custom_generate/generate.py",
+        "custom_generate/requirements.txt",
+    } <= set(uploaded)
     assert json.loads(uploaded["config.json"])["speculators_model_type"] == "dspark"
     assert cards and cards[0][0] == "org/tiny-dspark"
     assert "library_name: spark_generate" in cards[0][1]
     assert 'DSparkHead.from_pretrained("org/tiny-dspark")' in cards[0][1]
+
+
+def files_under(folder: str | Path) -> list[Path]:
+    return [path for path in Path(folder).rglob("*") if path.is_file()]
 
 
 def test_unsupported_loading_options_fail_loudly(saved):

@@ -1,9 +1,11 @@
 """Hub I/O of DSpark heads: save, push and load in the speculators format, load DeepSpec folders.
 
 :class:`DSparkHubMixin` overrides the :class:`~transformers.PreTrainedModel` entry points so that
-saving also writes the model card, pushing keeps that card, and loading goes through
-:mod:`spark_generate.heads.formats`, which reads both checkpoint formats and refuses to build a
-half-loaded head.
+saving also writes the model card and the ``custom_generate/`` folder that lets a plain
+Transformers model decode with the head (:mod:`spark_generate.heads.custom_generate`), pushing
+keeps that card, and loading goes through :mod:`spark_generate.heads.formats`, which reads both
+checkpoint formats and refuses to build a half-loaded head. speculators and vLLM read only
+``config.json`` and the weights, so the extra files do not disturb them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing_extensions import Self
 
 from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads.card import render_model_card
+from spark_generate.heads.custom_generate import write_custom_generate
 from spark_generate.heads.formats import load_checkpoint, validate_state_dict
 
 
@@ -52,18 +55,28 @@ class DSparkHubMixin(PreTrainedModel):
         )
 
     def save_pretrained(
-        self, save_directory: str | os.PathLike, *, model_card: ModelCard | None = None, **kwargs: Any
+        self,
+        save_directory: str | os.PathLike,
+        *,
+        model_card: ModelCard | None = None,
+        custom_generate: bool = True,
+        **kwargs: Any,
     ) -> None:
         """Writes the speculators ``"dspark"`` format (``config.json``, ``model.safetensors``) and a card.
 
         Args:
             save_directory: Target folder.
             model_card: A card from :meth:`model_card`; default: a card without training results.
+            custom_generate: Also write ``custom_generate/``, so that
+                ``target.generate(..., custom_generate=<this folder or its Hub id>, trust_remote_code=True)``
+                decodes with this head (:mod:`spark_generate.heads.custom_generate`).
             **kwargs: Passed to :meth:`transformers.PreTrainedModel.save_pretrained`.
         """
         card = model_card or self.model_card()
         super().save_pretrained(save_directory, **kwargs)
         card.save(Path(save_directory) / "README.md")
+        if custom_generate:
+            write_custom_generate(save_directory)
 
     def push_to_hub(
         self,
