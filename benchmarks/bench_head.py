@@ -142,7 +142,7 @@ def draft_steps(head: DSparkHead, context_length: int) -> tuple[Callable[[], obj
 
     def full() -> None:
         out = backbone()
-        prev, state = anchor_ids, None
+        prev, state = anchor_ids, out.first_markov_state(0)
         for j in range(head.config.num_draft_tokens):
             step = head.draft_step(out.base_logits[:, 0, j], out.draft_hidden[:, 0, j], prev, state)
             prev, state = head.draft_to_target_ids(step.draft_logits.argmax(-1)), step.markov_state

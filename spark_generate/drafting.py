@@ -170,7 +170,7 @@ class HeadDrafter:
             context_position_ids=request.context.positions,
             draft_cache=self.draft_cache,
         )
-        prev_ids, markov_state = anchor_ids, None
+        prev_ids, markov_state = anchor_ids, backbone.first_markov_state(0)
         token_ids, probs, confidence_logits = [], [], []
         for slot in range(head.config.num_draft_tokens):
             step = head.draft_step(

@@ -56,7 +56,7 @@ def drafts_from_scratch(target, head, prefixes, anchor_ids) -> torch.Tensor:
         hidden_states = target(tokens[None, :-1], output_hidden_states=True).hidden_states
         out = head(head.block_input_ids(anchor[None]), torch.tensor([[len(tokens) - 1]]),
                    head.select_target_features(hidden_states))  # fmt: skip
-        prev, state, row_drafts = anchor[None], None, []
+        prev, state, row_drafts = anchor[None], out.first_markov_state(0), []
         for slot in range(head.config.num_draft_tokens):
             step = head.draft_step(out.base_logits[:, 0, slot], out.draft_hidden[:, 0, slot], prev, state)
             prev, state = step.draft_logits.argmax(-1), step.markov_state
