@@ -130,7 +130,9 @@ class BlockModel(nn.Module):
         """Blocks ``[B, N, K]`` over features ``[B, T, m·H]`` -> draft ``[B, N, S, V_d]``, confidence ``[B, N, S]``."""
         positions = torch.arange(features.shape[1], device=features.device).expand(features.shape[0], -1)
         backbone = self.head(block_input_ids, anchor_positions, features, context_position_ids=positions)
-        block = self.head.teacher_forced(backbone.base_logits, backbone.draft_hidden, prev_ids)
+        block = self.head.teacher_forced(
+            backbone.base_logits, backbone.draft_hidden, prev_ids, markov_state=backbone.markov_state
+        )
         return block.draft_logits, block.confidence_logits
 
 
