@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from spark_generate import __version__, zoo
+import spark_generate.zoo as zoo
 from spark_generate.config import DSparkConfig
 from spark_generate.heads import DSparkHead
 from spark_generate.training import TrainingConfig
@@ -345,7 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spark-generate", formatter_class=_HelpFormatter, description=DESCRIPTION,
         epilog=f"Targets (--target): {TARGETS}. Prompt {PROMPT_FILES}",
     )  # fmt: skip
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('spark-generate')}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, summary: str, description: str, prompts: bool = False) -> argparse.ArgumentParser:
