@@ -354,6 +354,20 @@ class DSparkConfig(PretrainedConfig):
         return self.transformer_layer_config.vocab_size
 
     @property
+    def vocab_size(self) -> int:
+        """Not a Transformers assistant model's vocabulary: fails with what to call instead.
+
+        ``generate(assistant_model=...)`` reads ``vocab_size`` first; a DSpark head cannot drive
+        Transformers' own assisted decoding, so the error says how to decode with it.
+        """
+        raise AttributeError(
+            "a DSpark head is not a Transformers assistant model (generate(assistant_model=head) runs "
+            "Transformers' own assisted decoding); use DSparkForCausalLM(target).generate(..., assistant=head) "
+            "or target.generate(..., custom_generate=spark_generate.decode, dspark_head=head). The target's "
+            "vocabulary size is config.target_vocab_size."
+        )
+
+    @property
     def aux_hidden_state_layer_ids(self) -> list[int] | None:
         """Tap layers in speculators convention (``target_layer_ids + 1``)."""
         return None if self.target_layer_ids is None else to_aux_layer_ids(self.target_layer_ids)

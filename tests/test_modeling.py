@@ -200,3 +200,9 @@ def test_default_schedule_uses_the_calibration_of_a_head_folder(llama, tmp_path)
     assert model._temperatures[model.head].tolist() == [1.0, 2.0, 3.0, 4.0]
     input_ids, _ = prompts(1)
     assert torch.equal(model.generate(input_ids, max_new_tokens=6), llama.generate(input_ids, max_new_tokens=6))
+
+
+def test_transformers_assistant_model_says_what_to_call_instead(llama):
+    input_ids, _ = prompts(1)
+    with pytest.raises(AttributeError, match=r"not a Transformers assistant model.*DSparkForCausalLM"):
+        llama.generate(input_ids, assistant_model=tiny_head(llama), max_new_tokens=4)
