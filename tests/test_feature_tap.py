@@ -17,7 +17,8 @@ import inspect
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_target as shared_tiny_target
+from transformers import DynamicCache
 
 from spark_generate import DSparkForCausalLM, FixedLength
 from spark_generate.cache import FeatureTap
@@ -25,22 +26,16 @@ from spark_generate.heads import DSparkHead
 from spark_generate.training import LossWeights, TokenBatch, sample_anchors, teacher_forced_step
 
 VOCAB, HIDDEN, NUM_LAYERS, PAD = 64, 32, 3, 0
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
-}
+ARCHITECTURES = {"llama": {}, "qwen3": {"head_dim": 8}}  # name -> config fields
 CPU = torch.device("cpu")
 
 
 def tiny_target(architecture: str):
-    config_class, model_class, extra = ARCHITECTURES[architecture]
-    config = config_class(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD,
-        eos_token_id=None, **extra,
+    """A random float64 three-layer model of the architecture (hidden 32)."""
+    return shared_tiny_target(
+        architecture, num_layers=NUM_LAYERS, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+        eos_token_id=None, dtype=torch.float64, **ARCHITECTURES[architecture],
     )  # fmt: skip
-    torch.manual_seed(0)
-    return model_class(config).eval().double()
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

@@ -13,7 +13,8 @@ gives left-padded rows, processed with the warpers ``generate()`` builds for the
 """
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from conftest import tiny_target as shared_tiny_target
+from transformers import LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from spark_generate import DSparkForCausalLM, FixedLength, sample
 from spark_generate.heads import DSparkHead
@@ -23,15 +24,11 @@ TEMPERATURE, TOP_K = 1.5, 40
 
 
 def tiny_target() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=None,
+    """A random float64 two-layer Llama whose LM head is scaled by 4 (distributions far from uniform)."""
+    return shared_tiny_target(
+        num_layers=2, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, eos_token_id=None,
+        dtype=torch.float64, lm_head_scale=4.0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().double()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    return model
 
 
 def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,55 +10,23 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from conftest import tiny_head
+from conftest import tiny_target as shared_tiny_target
 from transformers.generation.streamers import BaseStreamer
 
 import spark_generate.generation as generation
 from spark_generate import FixedLength, decode
 from spark_generate.drafting import HeadDrafter
-from spark_generate.heads import DSparkHead
 
 VOCAB = 128
 PAD, EOS = 0, 1
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-}
-SLIDING = (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 6})
+ARCHITECTURES = ("llama", "qwen3", "mistral")
 
 
-def tiny_target(
-    architecture: str = "llama",
-    num_layers: int = 4,
-    vocab_size: int = VOCAB,
-    seed: int = 0,
-    eos_token_id: int | None = EOS,
-):
-    """A random float64 causal LM (hidden 64) with pad 0 and EOS 1."""
-    config_class, model_class, extra = SLIDING if architecture == "gemma3-sliding" else ARCHITECTURES[architecture]
-    config = config_class(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD,
-        eos_token_id=eos_token_id, **extra,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return model_class(config).eval().double()
-
-
-def tiny_head(target, seed: int = 1, **overrides) -> DSparkHead:
-    torch.manual_seed(seed)
-    fields = {"num_draft_layers": 1, "markov_rank": 8, "block_size": 4, **overrides}
-    return DSparkHead.from_target(target, **fields).eval()
+def tiny_target(architecture: str = "llama", **fields):
+    """A random float64 causal LM (hidden 64, vocabulary 128) with pad 0 and EOS 1."""
+    fields = {"vocab_size": VOCAB, "max_position_embeddings": 256, "dtype": torch.float64, **fields}
+    return shared_tiny_target(architecture, **fields)
 
 
 def prompts(batch_size: int, length: int = 7, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +41,7 @@ def prompts(batch_size: int, length: int = 7, seed: int = 3) -> tuple[torch.Tens
     return input_ids, attention_mask
 
 
-@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+@pytest.fixture(scope="module", params=ARCHITECTURES)
 def target(request):
     return tiny_target(request.param)
 
@@ -288,7 +256,7 @@ def test_streamer_gets_prompt_then_committed_chunks(llama):
 
 def test_sliding_window_target_batch_one():
     """Gemma3 layers with a 6-token window: rollback of sliding layers at batch size 1."""
-    gemma = tiny_target("gemma3-sliding")
+    gemma = tiny_target("gemma3", sliding_window=6)
     input_ids, _ = prompts(1)
     plain = gemma.generate(input_ids, do_sample=False, max_new_tokens=20)
     drafting = oracle(plain, corrupt_seed=1)

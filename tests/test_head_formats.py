@@ -43,7 +43,7 @@ def qwen3():
     return tiny_target("qwen3")
 
 
-@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
 def test_save_load_round_trip(tmp_path, architecture, markov_head_type):
     target = tiny_target(architecture)

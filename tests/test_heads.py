@@ -7,15 +7,11 @@ nothing touches the Hub.
 import pytest
 import torch
 import transformers
+from conftest import tiny_head as shared_tiny_head
+from conftest import tiny_target
 from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from spark_generate.config import DSparkConfig, DSparkConfigError
@@ -24,29 +20,12 @@ from spark_generate.heads import DSparkHead, MarkovHead, block_attention_mask
 VOCAB = 96
 # float32 reorderings (SDPA with and without masked keys, batched vs per-block) differ by ~1e-6.
 ATOL = 1e-5
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 16, "sliding_window": 8}),
-}
-
-
-def tiny_target(architecture: str = "llama", num_layers: int = 4, seed: int = 0):
-    config_class, model_class, extra = ARCHITECTURES[architecture]
-    config = config_class(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
-        eos_token_id=1, **extra,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return model_class(config).eval()
+ARCHITECTURES = ("llama", "qwen3", "mistral", "gemma3")
 
 
 def tiny_head(target, seed: int = 1, **overrides) -> DSparkHead:
-    torch.manual_seed(seed)
-    fields = dict(num_draft_layers=2, markov_rank=8, block_size=4)
-    return DSparkHead.from_target(target, **{**fields, **overrides}).eval()
+    """The shared tiny head with 2 draft layers."""
+    return shared_tiny_head(target, seed, **{"num_draft_layers": 2, **overrides})
 
 
 def target_features(head: DSparkHead, target, length: int, seed: int = 2) -> torch.Tensor:
@@ -290,7 +269,7 @@ def test_slot_convention_both_ways(llama):
 # ------------------------------------------------------------------------ target and vocab
 
 
-@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_heads_for_several_architectures_build_and_run(architecture):
     target = tiny_target(architecture)
     head = tiny_head(target)

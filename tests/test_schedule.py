@@ -222,7 +222,7 @@ class PhasedOracle(OracleDrafter):
         return block
 
 
-@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_adaptive_default_with_plain_steps_is_exact(architecture):
     """Greedy output equals plain greedy while the schedule drafts, steps aside and probes again."""
     target = tiny_target(architecture)

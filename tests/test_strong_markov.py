@@ -13,8 +13,9 @@ hooks on the head (its backbone pass) and on the target (its verification forwar
 
 import pytest
 import torch
+from conftest import tiny_target as shared_tiny_target
 from scipy.stats import chisquare
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from spark_generate import DSparkForCausalLM, FixedLength, decode
 from spark_generate.heads import DSparkHead
@@ -24,15 +25,10 @@ PAD = 0
 
 def tiny_target(vocab_size: int, lm_head_scale: float, seed: int = 0) -> LlamaForCausalLM:
     """A random float64 two-layer Llama, its LM head scaled so its distributions are far from uniform."""
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=None,
+    return shared_tiny_target(
+        num_layers=2, vocab_size=vocab_size, hidden_size=32, intermediate_size=48, eos_token_id=None, seed=seed,
+        dtype=torch.float64, lm_head_scale=lm_head_scale,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(config).eval().double()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(lm_head_scale)
-    return target
 
 
 def strong_markov_head(target, seed: int = 1, **overrides) -> DSparkHead:

@@ -11,7 +11,9 @@ import os
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_head as shared_tiny_head
+from conftest import tiny_target as shared_tiny_target
+from transformers import LlamaForCausalLM
 
 import spark_generate.training.trainer as trainer_module
 from spark_generate.config import DSparkConfigError
@@ -29,17 +31,13 @@ VOCAB = 96
 
 
 def tiny_target(num_layers: int = 4, seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    """The shared tiny Llama, narrower (hidden 32) so training steps stay fast."""
+    return shared_tiny_target(num_layers=num_layers, hidden_size=32, intermediate_size=48, seed=seed)
 
 
 def tiny_head(target, **overrides) -> DSparkHead:
-    torch.manual_seed(1)
-    return DSparkHead.from_target(target, **{"num_draft_layers": 1, "markov_rank": 8, "block_size": 3, **overrides})
+    """The shared tiny head with blocks of 3."""
+    return shared_tiny_head(target, **{"block_size": 3, **overrides})
 
 
 def dataset(num_sequences: int = 6) -> TokenDataset:
@@ -90,7 +88,7 @@ def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=2, save_every=1)).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000001", "checkpoint-0000002"]
     assert sorted(p.name for p in result.checkpoint.iterdir()) == [
-        "README.md", "config.json", "model.safetensors", "provenance.json", "trainer_state.pt",
+        "README.md", "config.json", "custom_generate", "model.safetensors", "provenance.json", "trainer_state.pt",
     ]  # fmt: skip
     provenance = json.loads((result.checkpoint / "provenance.json").read_text())
     assert provenance["step"] == 2
