@@ -21,6 +21,9 @@ release is adapted to here, and the rest of the code reads the same on every 5.x
   (:func:`processors_for_rows`); the warpers that never read token ids are recognised by class
   (:func:`vocabulary_free_processors`), since only those can be applied to logits over another
   vocabulary (the draft head's).
+* **Hub-hosted heads** (:func:`custom_generate_repository`): Transformers runs a copy of a
+  repository's ``custom_generate/generate.py`` from its modules cache, so the file cannot find its
+  own repository; the ``custom_generate`` argument of the ``generate()`` call running it names it.
 * **Model code reused by the draft head**: Qwen3's MLP, RMSNorm, rotary embedding and
   ``rotate_half``, re-exported from ``transformers.models.qwen3``.
 """
@@ -29,9 +32,12 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
 from transformers import (
     Cache,
     DynamicCache,
@@ -58,6 +64,7 @@ __all__ = [
     "Qwen3RotaryEmbedding",
     "cache_kwarg_name",
     "crop_cache",
+    "custom_generate_repository",
     "pop_prepared_inputs",
     "processors_for_rows",
     "rotate_half",
@@ -78,6 +85,9 @@ VOCABULARY_FREE_WARPERS = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
 )
+
+# The files of a head repository that a custom_generate call downloads.
+HEAD_FILES = ("*.json", "*.safetensors", "*.md")
 
 # Inputs generate() prepares for its own decoding loop; a speculative loop computes its own.
 PREPARED_INPUTS = ("position_ids", "logits_to_keep", "use_cache")
@@ -174,6 +184,34 @@ def route_generate_arguments(
         raise ValueError(f"stop_strings={stop_strings!r} needs the tokenizer: pass tokenizer=... to generate().")
     stop = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
     return generation_config, StoppingCriteriaList([*(stopping_criteria or []), stop])
+
+
+def custom_generate_repository(hub_options: dict[str, Any]) -> str:
+    """The head repository a ``custom_generate/generate.py`` belongs to, as a local folder.
+
+    Found as the ``custom_generate`` argument of the ``generate()`` call up the stack (Transformers
+    runs a copy of the file, whose ``__file__`` does not lead back to the repository); a Hub id is
+    fetched (``hub_options``: ``revision``, ``cache_dir``, ``local_files_only``, ``token``).
+
+    Raises:
+        ValueError: No ``generate(..., custom_generate=<folder or Hub id>)`` call is running.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            location = frame.f_locals.get("custom_generate") if frame.f_code.co_name == "generate" else None
+            if isinstance(location, (str, os.PathLike)):
+                if Path(location).is_dir():
+                    return str(Path(location).resolve())
+                return snapshot_download(str(location), allow_patterns=list(HEAD_FILES), **hub_options)
+            frame = frame.f_back
+    finally:
+        del frame
+    raise ValueError(
+        "cannot tell which repository this DSpark custom_generate function belongs to: no generate() call "
+        "with custom_generate=<folder or Hub id> runs it. Call model.generate(..., custom_generate=<the head "
+        "repository>, trust_remote_code=True), or use spark_generate.DSparkForCausalLM(model, <head>).generate."
+    )
 
 
 # ------------------------------------------------------------------------------ processors
