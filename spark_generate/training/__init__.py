@@ -4,6 +4,7 @@
 * :mod:`~spark_generate.training.anchors`: anchors, block inputs, labels and prefix masks;
 * :mod:`~spark_generate.training.losses`: the DSpark objective;
 * :mod:`~spark_generate.training.metrics`: teacher-forced acceptance, tau, greedy accuracy;
+* :mod:`~spark_generate.training.feature_cache`: the target's states on disk, built once, read every epoch;
 * :mod:`~spark_generate.training.trainer`: the :class:`Trainer` (Accelerate, checkpoints, resume);
 * :mod:`~spark_generate.training.provenance`: what a checkpoint was trained from;
 * :mod:`~spark_generate.training.regenerate`: on-policy data, the target answering prompts;
@@ -15,6 +16,13 @@ The last three are imported on their own (evaluation and calibration load the ge
 
 from spark_generate.training.anchors import AnchorBatch, BlockTargets, block_targets, sample_anchors
 from spark_generate.training.data import TokenBatch, TokenDataset, draft_vocab_from_data, read_jsonl, write_jsonl
+from spark_generate.training.feature_cache import (
+    CacheBuildResult,
+    FeatureCache,
+    FeatureCacheError,
+    TargetStates,
+    build_feature_cache,
+)
 from spark_generate.training.losses import LossTerms, LossWeights, dspark_loss, position_weights
 from spark_generate.training.metrics import TeacherForcedMetrics, teacher_forced_metrics
 from spark_generate.training.trainer import Trainer, TrainingConfig, TrainResult, teacher_forced_step
@@ -22,8 +30,12 @@ from spark_generate.training.trainer import Trainer, TrainingConfig, TrainResult
 __all__ = [
     "AnchorBatch",
     "BlockTargets",
+    "CacheBuildResult",
+    "FeatureCache",
+    "FeatureCacheError",
     "LossTerms",
     "LossWeights",
+    "TargetStates",
     "TeacherForcedMetrics",
     "TokenBatch",
     "TokenDataset",
@@ -31,6 +43,7 @@ __all__ = [
     "Trainer",
     "TrainingConfig",
     "block_targets",
+    "build_feature_cache",
     "draft_vocab_from_data",
     "dspark_loss",
     "position_weights",

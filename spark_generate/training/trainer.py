@@ -5,14 +5,18 @@ One optimizer step reads, top to bottom::
     for each of `gradient_accumulation_steps` micro-batches:
         batch   = dataset.batch(dataset.batch_indices(micro_step, ...))   # order = f(seed, epoch)
         anchors = sample_anchors(batch.loss_mask, num_anchors, rng(seed, process, micro_step))
-        target  : frozen forward; tap-layer features and the final hidden state, captured on the fly
+        states  = target forward (tap-layer features, final hidden state), or the feature cache's
         blocks  = block_targets(...)                                     # inputs, labels, prefix masks
+        target  : frozen LM head on the final hidden state, only at the positions that supervise a slot
         head    : one parallel pass over all blocks, Markov + confidence teacher-forced
         loss    = dspark_loss(...) / gradient_accumulation_steps ; backward
     clip gradients ; AdamW step ; warmup + cosine schedule step
 
-The target runs inside the trainer (no hidden-state cache on disk); its logits are computed with its
-frozen LM head only at the positions that supervise a slot. Trainable: ``fc``, ``hidden_norm``, the
+By default the target runs inside the trainer, on every batch. With a
+:class:`~spark_generate.training.feature_cache.FeatureCache` (built once by ``build_feature_cache``)
+its tapped features and final hidden states are read from disk instead, in bfloat16, and only the
+head and the target's LM head run. Either way the target's logits are computed with its frozen LM
+head only at the (distinct) positions that supervise a slot. Trainable: ``fc``, ``hidden_norm``, the
 draft layers, the final ``norm``, the Markov and confidence heads; the target, its embedding and
 LM head (and a reduced-vocabulary copy of it) stay frozen.
 
@@ -43,10 +47,16 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from spark_generate.cache import FeatureTap
 from spark_generate.heads import DSparkHead
 from spark_generate.training.anchors import AnchorBatch, block_targets, sample_anchors
 from spark_generate.training.data import TokenBatch, TokenDataset
+from spark_generate.training.feature_cache import (
+    FeatureCache,
+    FeatureCacheError,
+    TargetStates,
+    data_fingerprint,
+    target_states,
+)
 from spark_generate.training.losses import DIVERGENCE_CHOICES, LossTerms, LossWeights, dspark_loss
 from spark_generate.training.metrics import TeacherForcedMetrics, teacher_forced_metrics
 from spark_generate.training.provenance import git_commit, package_versions, target_identity
@@ -136,25 +146,31 @@ class BlockModel(nn.Module):
         return block.draft_logits, block.confidence_logits
 
 
-def _target_pass(
-    target: PreTrainedModel, head: DSparkHead, batch: TokenBatch, logit_positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frozen target forward: ``[B, T, m·H]`` tap features and ``[B, N, S, V_d]`` supervising logits."""
-    device = batch.input_ids.device
-    with torch.no_grad(), FeatureTap(target, list(head.config.target_layer_ids), device) as tap:
-        hidden = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        features = tap.take()
-        last = hidden.last_hidden_state
-        flat = logit_positions.reshape(last.shape[0], -1)
-        picked = last.gather(1, flat[..., None].expand(-1, -1, last.shape[-1]))
-        logits = target.get_output_embeddings()(picked).float().view(*logit_positions.shape, -1)
+def _supervising_logits(
+    target: PreTrainedModel, head: DSparkHead, final_hidden: torch.Tensor, logit_positions: torch.Tensor
+) -> torch.Tensor:
+    """The frozen LM head at the supervising positions: ``[B, N, S, V_d]`` float32 target logits.
+
+    Args:
+        target: The frozen target (its LM head and soft-cap).
+        head: The head, for its draft vocabulary.
+        final_hidden: ``[B, T, H]`` the target's final-normed hidden states.
+        logit_positions: ``[B, N, S]`` the position supervising each slot.
+
+    Blocks overlap (slot ``k`` of the block at ``p`` and slot ``k - 1`` of the block at ``p + 1``
+    read the same position), so the LM head runs once per distinct (row, position).
+    """
+    with torch.no_grad():
+        rows = torch.arange(final_hidden.shape[0], device=logit_positions.device)[:, None, None]
+        distinct, inverse = torch.unique(rows * final_hidden.shape[1] + logit_positions, return_inverse=True)
+        logits = target.get_output_embeddings()(final_hidden.flatten(0, 1)[distinct]).float()
         # The target's forward soft-caps its logits (Gemma); the draft head's logits are never capped.
         softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if head.has_reduced_vocab:
             logits = logits[..., head.t2d]
-    return features, logits
+    return logits[inverse]
 
 
 def teacher_forced_step(
@@ -164,6 +180,7 @@ def teacher_forced_step(
     batch: TokenBatch,
     anchors: AnchorBatch,
     weights: LossWeights,
+    states: TargetStates | None = None,
 ) -> tuple[LossTerms, TeacherForcedMetrics]:
     """Loss and metrics of one batch of documents, teacher-forced (training and evaluation).
 
@@ -174,6 +191,7 @@ def teacher_forced_step(
         batch: Documents.
         anchors: From :func:`sample_anchors`.
         weights: The objective's coefficients.
+        states: The target's states of ``batch`` (from a :class:`FeatureCache`); None runs the target.
     """
     config = head.config
     blocks = block_targets(
@@ -184,14 +202,35 @@ def teacher_forced_step(
         num_draft_tokens=config.num_draft_tokens,
         mask_token_id=config.mask_token_id,
     )
-    features, target_logits = _target_pass(target, head, batch, blocks.logit_positions)
-    draft_logits, confidence_logits = model(blocks.block_input_ids, anchors.positions, features, blocks.prev_ids)
+    if states is None:
+        layer_ids = list(config.target_layer_ids)
+        states = target_states(target, layer_ids, batch.input_ids, batch.attention_mask, batch.input_ids.device)
+    target_logits = _supervising_logits(target, head, states.final_hidden, blocks.logit_positions)
+    draft_logits, confidence_logits = model(
+        blocks.block_input_ids, anchors.positions, states.features, blocks.prev_ids
+    )
     labels = head.target_to_draft_ids(blocks.label_ids)
     terms = dspark_loss(draft_logits, confidence_logits, target_logits, labels, blocks.slot_mask, weights)
     metrics = teacher_forced_metrics(
         terms.acceptance, draft_logits, target_logits, confidence_logits, blocks.slot_mask
     )
     return terms, metrics
+
+
+def _check_cache(cache: FeatureCache, target_sha256: str, head: DSparkHead, dataset: TokenDataset) -> None:
+    """Raises FeatureCacheError unless ``cache`` holds this target's states, at the head's taps, of these documents."""
+    problems = []
+    if cache.target_sha256 != target_sha256:
+        problems.append(f"target weights SHA-256 {cache.target_sha256}, the target's is {target_sha256}")
+    if cache.layer_ids != list(head.config.target_layer_ids):
+        problems.append(f"tap layer ids {cache.layer_ids}, the head reads {list(head.config.target_layer_ids)}")
+    if cache.data_sha256 != data_fingerprint(dataset):
+        problems.append(f"documents of SHA-256 {cache.data_sha256}, not those of {dataset.description}")
+    if problems:
+        raise FeatureCacheError(
+            f"the feature cache {cache.path} does not serve this run: it has " + "; ".join(problems) + ". Open "
+            "the cache with this run's target, head taps and dataset, or build one for them."
+        )
 
 
 def anchor_generator(seed: int, process_index: int, micro_step: int) -> torch.Generator:
@@ -221,11 +260,15 @@ class Trainer:
         dataset: Training documents, tokenized with the target's tokenizer.
         config: Training settings.
         accelerator: Default: a new ``Accelerator`` (which reads ``accelerate launch`` settings).
+        feature_cache: The target's states of ``dataset``, read instead of running the target
+            (see :mod:`~spark_generate.training.feature_cache`). None: the target runs on every batch.
 
     Raises:
         DSparkConfigError: If the head does not fit the target.
         ValueError: If the data holds ids outside the target's vocabulary, or ``output_dir`` is
             not writable.
+        FeatureCacheError: If ``feature_cache`` was built for another target, other taps or other
+            documents.
     """
 
     def __init__(
@@ -235,6 +278,7 @@ class Trainer:
         dataset: TokenDataset,
         config: TrainingConfig,
         accelerator: Accelerator | None = None,
+        feature_cache: FeatureCache | None = None,
     ):
         head.attach(target)
         dataset.check_vocab(head.config.target_vocab_size)
@@ -263,6 +307,9 @@ class Trainer:
         self.model, self.optimizer = self.accelerator.prepare(BlockModel(head), optimizer)
         self.trainable = trainable
         self._target_identity = target_identity(target)
+        if feature_cache is not None:
+            _check_cache(feature_cache, self._target_identity["weights_sha256"], head, dataset)
+        self.feature_cache = feature_cache
 
     def train(self, resume_from: str | os.PathLike | None = None, stop_after: int | None = None) -> TrainResult:
         """Runs the optimizer steps, from scratch or from a checkpoint.
@@ -305,10 +352,13 @@ class Trainer:
             batch = self.dataset.batch(indices).to(accelerator.device)
             generator = anchor_generator(config.seed, accelerator.process_index, micro_step)
             anchors = sample_anchors(batch.loss_mask, config.num_anchors, generator)
+            states = None
+            if self.feature_cache is not None:
+                states = self.feature_cache.states(indices, accelerator.device, self.target.dtype)
             sync = contextlib.nullcontext() if micro == accumulation - 1 else accelerator.no_sync(self.model)
             with sync, accelerator.autocast():
                 terms, batch_metrics = teacher_forced_step(
-                    self.model, self.target, self.head, batch, anchors, config.loss_weights
+                    self.model, self.target, self.head, batch, anchors, config.loss_weights, states
                 )
                 accelerator.backward(terms.total / accumulation)
             total += float(terms.total.detach()) / accumulation
@@ -350,10 +400,12 @@ class Trainer:
         return final
 
     def _provenance(self, step: int, metrics: TeacherForcedMetrics | None) -> dict:
+        cache = self.feature_cache
         return {
             "step": step,
             "target": self._target_identity,
             "data": {"description": self.dataset.description, "num_sequences": len(self.dataset)},
+            "feature_cache": None if cache is None else {"path": str(cache.path), "dtype": cache.manifest["dtype"]},
             "git_commit": git_commit(),
             "packages": package_versions(),
             "argv": list(sys.argv),

@@ -1,0 +1,533 @@
+"""The target-feature cache: the frozen target runs once per document, and training reads its states from disk.
+
+A training step needs two things from the frozen target for every document of its batch: the
+tapped features the head reads (``[T, m·H]``, the raw outputs of the ``target_layer_ids`` layers)
+and what supervises the slots, the target's distribution at the positions the slots predict. The
+second is stored as the target's final (normed) hidden state ``[T, H]``, and the trainer applies the
+frozen LM head only at the positions a batch supervises (the DSpark paper, §5.1). Storing ``V``
+logits per token would take far more space. Without the cache the target runs again on every
+document in every epoch; from the cache a step runs only the head and that LM head.
+
+A cache is a folder::
+
+    manifest.json        what the cache was built from and what it holds, replaced atomically
+    shard-000000.bin     bfloat16 bit patterns (little-endian 16-bit words), one row per token of
+    shard-000001.bin     consecutive documents: [tapped features (m·H) | final hidden state (H)]
+    ...
+
+The manifest records the target (the SHA-256 of its weights), the tap ids, the tokenizer (a
+SHA-256 of its vocabulary), the documents (a SHA-256 of their token ids), the dtype and row widths.
+For every finished shard it records the documents it holds, its row count and its SHA-256.
+:meth:`FeatureCache.open` checks all of these against what the caller trains with. It refuses a
+mismatch, an unfinished build, a missing or truncated shard and a corrupt one (by checksum), and the
+error says what differs.
+
+Building is resumable and atomic. Documents are processed in order. Rows are written to a
+temporary file (``.shard-NNNNNN.bin.tmp-<pid>``), which is renamed into place once the shard is
+full; then the manifest is replaced by one that lists the shard. An interrupted build therefore
+leaves only whole shards named in the manifest, plus at most one temporary file, which the next
+build removes. That next build resumes at the first document not yet in a shard. ``max_minutes``
+stops a build between two batches, after its last shard is written. Only one build may write to a
+folder at a time.
+
+Reading memory-maps the shards. A batch copies only its own documents' rows, so memory does not
+grow with the corpus. The stored values are the target's states rounded to bfloat16 (round to
+nearest even, exactly ``tensor.to(torch.bfloat16)``), which keeps about 3 significant digits. The
+features of a document are those of the forward that built it: one document per forward by
+default, so the cache does not depend on how documents are batched.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from spark_generate.cache import FeatureTap
+from spark_generate.training.data import TokenDataset
+from spark_generate.training.provenance import target_identity
+
+__all__ = [
+    "CacheBuildResult",
+    "FeatureCache",
+    "FeatureCacheError",
+    "TargetStates",
+    "build_feature_cache",
+    "data_fingerprint",
+    "target_states",
+    "tokenizer_identity",
+]
+
+FORMAT = "spark_generate.feature_cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STORED_DTYPE = "bfloat16"
+DEFAULT_SHARD_MIB = 256
+"""A shard is closed once it holds at least this many MiB (at a document boundary)."""
+
+_WORD = np.dtype("<i2")  # one bfloat16 bit pattern; int16, since torch views int16 as bfloat16
+_MAX_OPEN_SHARDS = 64  # memory maps kept open by a reader (each holds a file descriptor)
+_HASH_CHUNK = 1 << 24
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that cannot be used: built from something else, unfinished, or damaged."""
+
+
+@dataclass(frozen=True)
+class TargetStates:
+    """What training reads from the frozen target for a batch of right-padded documents.
+
+    Attributes:
+        features: ``[B, T, m·H]`` raw outputs of the tapped layers, in tap order.
+        final_hidden: ``[B, T, H]`` final-normed hidden states (what the LM head reads).
+    """
+
+    features: torch.Tensor
+    final_hidden: torch.Tensor
+
+
+def target_states(
+    target: PreTrainedModel,
+    layer_ids: list[int],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    device: torch.device,
+) -> TargetStates:
+    """One frozen forward of the target's decoder, tapped (the trainer's and the cache's shared source).
+
+    Args:
+        target: The target.
+        layer_ids: Tap ids, as :class:`~spark_generate.cache.FeatureTap` reads them.
+        input_ids: ``[B, T]`` right-padded documents.
+        attention_mask: ``[B, T]``, 1 on real tokens.
+        device: Where the states go.
+    """
+    with torch.no_grad(), FeatureTap(target, list(layer_ids), device) as tap:
+        hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
+        features = tap.take()
+    return TargetStates(features, hidden.last_hidden_state.to(device))
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The tokenizer's class, name and vocabulary size, and a SHA-256 of its token-to-id map (which is compared)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return {
+        "class": type(tokenizer).__name__,
+        "name_or_path": getattr(tokenizer, "name_or_path", None) or None,
+        "vocab_size": len(vocab),
+        "vocab_sha256": hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest(),
+    }
+
+
+def data_fingerprint(dataset: TokenDataset) -> str:
+    """SHA-256 over the documents' token ids, in order; a document's length is hashed before its ids."""
+    digest = hashlib.sha256()
+    for ids in dataset.sequences:
+        digest.update(np.int64(len(ids)).tobytes())
+        digest.update(np.asarray(ids, dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
+def _identity(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, dataset: TokenDataset, layer_ids: list[int]
+) -> dict[str, Any]:
+    """The manifest's fixed part: what the cache is of, and how its rows are laid out."""
+    hidden_size = target.config.get_text_config().hidden_size
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "target": target_identity(target),
+        "target_layer_ids": [int(layer_id) for layer_id in layer_ids],
+        "tokenizer": tokenizer_identity(tokenizer),
+        "data": {
+            "description": dataset.description,
+            "sha256": data_fingerprint(dataset),
+            "num_documents": len(dataset),
+        },
+        "dtype": STORED_DTYPE,
+        "storage": "bfloat16 bit patterns as little-endian 16-bit words, one row per token",
+        "feature_width": len(layer_ids) * hidden_size,
+        "hidden_size": hidden_size,
+    }
+
+
+# What must agree for a cache to serve a run: (label, path into the manifest).
+_CHECKS = (
+    ("format", ("format",)),
+    ("format version", ("version",)),
+    ("target weights (SHA-256)", ("target", "weights_sha256")),
+    ("tap layer ids", ("target_layer_ids",)),
+    ("tokenizer vocabulary (SHA-256)", ("tokenizer", "vocab_sha256")),
+    ("documents' token ids (SHA-256)", ("data", "sha256")),
+    ("stored dtype", ("dtype",)),
+    ("feature width", ("feature_width",)),
+)
+
+
+def _lookup(record: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        record = record.get(key) if isinstance(record, dict) else None
+    return record
+
+
+def _check_identity(folder: Path, found: dict[str, Any], expected: dict[str, Any], remedy: str) -> None:
+    """Raises FeatureCacheError naming every field in which ``found`` differs from ``expected``, then ``remedy``."""
+    problems = [
+        f"{label}: the cache has {_lookup(found, keys)!r}, this run has {_lookup(expected, keys)!r}"
+        for label, keys in _CHECKS
+        if _lookup(found, keys) != _lookup(expected, keys)
+    ]
+    if problems:
+        raise FeatureCacheError(
+            f"the feature cache in {folder} was built from something else than this run:\n  "
+            + "\n  ".join(problems)
+            + f"\n{remedy}"
+        )
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Replaces ``manifest.json`` atomically: a synced temporary file renamed over it."""
+    temporary = folder / f".{MANIFEST}.tmp-{os.getpid()}"
+    with temporary.open("w") as file:
+        file.write(json.dumps(manifest, indent=1) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, folder / MANIFEST)
+    _fsync_folder(folder)
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise FeatureCacheError(
+            f"{folder / MANIFEST} is missing or unreadable ({error}); expected the manifest of a feature cache "
+            "written by build_feature_cache. Build the cache there, or point at another folder."
+        ) from error
+
+
+def _shard_name(number: int) -> str:
+    return f"shard-{number:06d}.bin"
+
+
+class _ShardWriter:
+    """One shard being written: rows go to a temporary file (and its hash) until :meth:`finish` renames it."""
+
+    def __init__(self, folder: Path, number: int, first_document: int):
+        self.final = folder / _shard_name(number)
+        self.temporary = folder / f".{self.final.name}.tmp-{os.getpid()}"
+        self.first_document = first_document
+        self.num_documents = 0
+        self.num_rows = 0
+        self.num_bytes = 0
+        self._digest = hashlib.sha256()
+        self._file = self.temporary.open("wb")
+
+    def write(self, rows: torch.Tensor) -> None:
+        """Appends one document's ``[T, m·H + H]`` bfloat16 rows."""
+        words = np.ascontiguousarray(rows.view(torch.int16).numpy(), dtype=_WORD)
+        self._file.write(words.data)
+        self._digest.update(words.data)
+        self.num_documents += 1
+        self.num_rows += rows.shape[0]
+        self.num_bytes += words.nbytes
+
+    def finish(self) -> dict[str, Any]:
+        """Syncs, renames into place and returns the shard's manifest entry."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.temporary, self.final)
+        return {
+            "file": self.final.name,
+            "first_document": self.first_document,
+            "num_documents": self.num_documents,
+            "num_rows": self.num_rows,
+            "sha256": self._digest.hexdigest(),
+        }
+
+    def discard(self) -> None:
+        """Closes and removes the temporary file (a build that stops with an error)."""
+        self._file.close()
+        self.temporary.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class CacheBuildResult:
+    """What :func:`build_feature_cache` returns.
+
+    Attributes:
+        path: The cache folder.
+        complete: Whether every document is cached (False when ``max_minutes`` ran out).
+        num_documents: Documents cached so far, this call's included.
+        new_documents: Documents this call cached.
+    """
+
+    path: Path
+    complete: bool
+    num_documents: int
+    new_documents: int
+
+
+def _start_or_resume(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The manifest to continue from: a new one, or the folder's own after checking it is the same cache.
+
+    Leftovers of an interrupted build (temporary files, a shard renamed but not yet listed) are removed.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise FeatureCacheError(f"{folder} is a file; expected a folder for the feature cache. Choose another path.")
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / MANIFEST).exists():
+        manifest = _read_manifest(folder)
+        remedy = f"Build this run's cache in another folder, or delete {folder} to replace the cache there."
+        _check_identity(folder, manifest, identity, remedy)
+    else:
+        foreign = [path.name for path in folder.iterdir() if not path.name.startswith(("shard-", "."))]
+        if foreign:
+            raise FeatureCacheError(
+                f"{folder} holds {sorted(foreign)[:5]} but no {MANIFEST}; expected an empty folder or a feature "
+                "cache to resume. Choose an empty or new folder."
+            )
+        manifest = {**identity, "complete": False, "shards": []}
+        _write_manifest(folder, manifest)
+    listed = {shard["file"] for shard in manifest["shards"]}
+    for path in folder.iterdir():
+        leftover = path.name.startswith(".") and ".tmp-" in path.name
+        if leftover or (path.name.startswith("shard-") and path.name not in listed):
+            path.unlink()
+    return manifest
+
+
+def build_feature_cache(
+    path: str | os.PathLike,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: TokenDataset,
+    layer_ids: list[int],
+    *,
+    batch_size: int = 1,
+    shard_mib: float = DEFAULT_SHARD_MIB,
+    max_minutes: float | None = None,
+    progress: bool = True,
+) -> CacheBuildResult:
+    """Runs the frozen target over ``dataset`` and stores its tapped and final states, resuming a partial cache.
+
+    Args:
+        path: The cache folder (created; an unfinished cache of the same target, taps, tokenizer
+            and documents is resumed).
+        target: The target, put in eval mode; it runs where it is.
+        tokenizer: The tokenizer ``dataset`` was tokenized with (recorded by its vocabulary).
+        dataset: The documents, cached in order.
+        layer_ids: Tap ids, usually ``head.config.target_layer_ids``.
+        batch_size: Documents per target forward (right-padded; 1 keeps every document's states
+            independent of the others).
+        shard_mib: A shard is closed once it reaches this size.
+        max_minutes: Stop after the batch during which this much time has passed; the next call
+            resumes. None: run to the end.
+        progress: Show a tqdm bar over documents.
+
+    Returns:
+        Whether the cache is complete, and how many documents it holds.
+
+    Raises:
+        FeatureCacheError: ``path`` holds a cache of another target, taps, tokenizer or documents,
+            or files that are not a cache.
+        ValueError: A setting is out of range, or ``dataset`` holds ids outside the target's vocabulary.
+    """
+    if batch_size < 1 or shard_mib <= 0 or (max_minutes is not None and max_minutes < 0):
+        raise ValueError(
+            f"batch_size={batch_size}, shard_mib={shard_mib}, max_minutes={max_minutes}: expected a positive "
+            "batch size and shard size, and a budget of at least 0 minutes (or None)."
+        )
+    started = time.monotonic()
+    folder = Path(path)
+    dataset.check_vocab(target.config.get_text_config().vocab_size)
+    target.eval()
+    manifest = _start_or_resume(folder, _identity(target, tokenizer, dataset, layer_ids))
+    cached = sum(shard["num_documents"] for shard in manifest["shards"])
+    next_document, device, writer = cached, target.device, None
+    bar = tqdm(total=len(dataset), initial=cached, unit="doc", desc="feature cache", disable=not progress)
+    try:
+        while next_document < len(dataset):
+            indices = list(range(next_document, min(next_document + batch_size, len(dataset))))
+            batch = dataset.batch(indices).to(device)
+            states = target_states(target, layer_ids, batch.input_ids, batch.attention_mask, torch.device("cpu"))
+            rows = torch.cat([states.features.to(torch.bfloat16), states.final_hidden.to(torch.bfloat16)], dim=-1)
+            if writer is None:
+                writer = _ShardWriter(folder, len(manifest["shards"]), next_document)
+            for row, index in enumerate(indices):
+                writer.write(rows[row, : len(dataset.sequences[index])])
+            next_document += len(indices)
+            bar.update(len(indices))
+            out_of_time = max_minutes is not None and time.monotonic() - started >= 60 * max_minutes
+            if writer.num_bytes >= shard_mib * 2**20 or next_document == len(dataset) or out_of_time:
+                shard = writer.finish()
+                writer = None
+                manifest = {
+                    **manifest,
+                    "shards": [*manifest["shards"], shard],
+                    "complete": next_document == len(dataset),
+                }
+                _write_manifest(folder, manifest)
+            if out_of_time:
+                break
+    finally:
+        if writer is not None:
+            writer.discard()
+        bar.close()
+    return CacheBuildResult(folder, bool(manifest["complete"]), next_document, next_document - cached)
+
+
+class FeatureCache:
+    """A finished feature cache, checked against a run and memory-mapped; use :meth:`open`.
+
+    Attributes:
+        path: The cache folder.
+        manifest: Its manifest.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any], dataset: TokenDataset):
+        self.path = path
+        self.manifest = manifest
+        self._feature_width = int(manifest["feature_width"])
+        self._row_width = self._feature_width + int(manifest["hidden_size"])
+        lengths = np.fromiter((len(ids) for ids in dataset.sequences), dtype=np.int64, count=len(dataset))
+        self._starts = np.concatenate([[0], np.cumsum(lengths)])  # global row of each document
+        self._shards = manifest["shards"]
+        self._first_documents = np.array([shard["first_document"] for shard in self._shards], dtype=np.int64)
+        self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        dataset: TokenDataset,
+        layer_ids: list[int],
+        verify_checksums: bool = True,
+    ) -> FeatureCache:
+        """Opens a cache after checking it was built for exactly this run, and is whole.
+
+        Args:
+            path: The cache folder.
+            target: The target to train against (its weights are hashed).
+            tokenizer: The tokenizer of ``dataset``.
+            dataset: The documents, as cached.
+            layer_ids: The head's ``target_layer_ids``.
+            verify_checksums: Hash every shard (reads the whole cache once); sizes are always checked.
+
+        Raises:
+            FeatureCacheError: Another target, taps, tokenizer or documents; an unfinished build;
+                a missing, truncated or corrupt shard.
+        """
+        folder = Path(path)
+        manifest = _read_manifest(folder)
+        remedy = "Open it with what it was built from, or build a cache for this run with build_feature_cache."
+        _check_identity(folder, manifest, _identity(target, tokenizer, dataset, layer_ids), remedy)
+        cached = sum(shard["num_documents"] for shard in manifest["shards"])
+        if not manifest["complete"] or cached != len(dataset):
+            raise FeatureCacheError(
+                f"the feature cache in {folder} holds {cached} of {len(dataset)} documents: its build did not "
+                "finish. Run build_feature_cache on the same folder again to resume it."
+            )
+        cache = cls(folder, manifest, dataset)
+        for shard in manifest["shards"]:
+            cache._check_shard(shard, verify_checksums)
+        return cache
+
+    def _check_shard(self, shard: dict[str, Any], verify_checksum: bool) -> None:
+        file = self.path / shard["file"]
+        first, count = shard["first_document"], shard["num_documents"]
+        rows = int(self._starts[first + count] - self._starts[first])
+        expected = rows * self._row_width * _WORD.itemsize
+        size = file.stat().st_size if file.is_file() else 0
+        if rows != shard["num_rows"] or size != expected:
+            state = f"has {size} bytes" if file.is_file() else "is missing"
+            raise FeatureCacheError(
+                f"{file} {state}; expected {expected} bytes ({rows} rows of {self._row_width} bfloat16 values, "
+                f"documents {first} to {first + count - 1}). Delete {self.path} and build the cache again."
+            )
+        if verify_checksum:
+            digest = hashlib.sha256()
+            with file.open("rb") as handle:
+                while chunk := handle.read(_HASH_CHUNK):
+                    digest.update(chunk)
+            if digest.hexdigest() != shard["sha256"]:
+                raise FeatureCacheError(
+                    f"{file} is corrupt: its SHA-256 is {digest.hexdigest()}, the manifest records "
+                    f"{shard['sha256']}. Delete {self.path} and build the cache again."
+                )
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The tap ids the features were taken from."""
+        return list(self.manifest["target_layer_ids"])
+
+    @property
+    def target_sha256(self) -> str:
+        """SHA-256 of the weights of the target the cache was built from."""
+        return self.manifest["target"]["weights_sha256"]
+
+    @property
+    def data_sha256(self) -> str:
+        """:func:`data_fingerprint` of the cached documents."""
+        return self.manifest["data"]["sha256"]
+
+    def _rows(self, index: int) -> torch.Tensor:
+        """``[T, m·H + H]`` bfloat16: a document's rows, a view on the memory-mapped shard (no copy)."""
+        number = int(np.searchsorted(self._first_documents, index, side="right")) - 1
+        if number in self._maps:
+            self._maps.move_to_end(number)
+        else:
+            if len(self._maps) >= _MAX_OPEN_SHARDS:
+                self._maps.popitem(last=False)
+            shard = self._shards[number]
+            # Copy-on-write: the array is writable for torch, the file is never written.
+            self._maps[number] = np.memmap(
+                self.path / shard["file"], dtype=_WORD, mode="c", shape=(shard["num_rows"], self._row_width)
+            )
+        base = self._starts[self._shards[number]["first_document"]]
+        start, stop = self._starts[index] - base, self._starts[index + 1] - base
+        return torch.from_numpy(self._maps[number][start:stop]).view(torch.bfloat16)
+
+    def states(self, indices: list[int], device: torch.device, dtype: torch.dtype) -> TargetStates:
+        """The cached states of documents ``indices``, right-padded with zeros as :meth:`TokenDataset.batch` pads.
+
+        Args:
+            indices: Document indices of a batch.
+            device: Where the states go.
+            dtype: Their dtype (the target's, so the head sees what a live target would give it).
+
+        Returns:
+            ``[B, T, m·H]`` features and ``[B, T, H]`` final hidden states, ``T`` the longest document.
+        """
+        documents = [self._rows(index) for index in indices]
+        length = max(len(rows) for rows in documents)
+        width = self._feature_width
+        features = torch.zeros(len(indices), length, width, dtype=dtype)
+        final_hidden = torch.zeros(len(indices), length, self._row_width - width, dtype=dtype)
+        for row, rows in enumerate(documents):
+            features[row, : len(rows)] = rows[:, :width]
+            final_hidden[row, : len(rows)] = rows[:, width:]
+        return TargetStates(features.to(device), final_hidden.to(device))

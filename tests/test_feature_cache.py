@@ -1,0 +1,320 @@
+"""The target-feature cache on a tiny random Llama target: exact round trip, training, refusals, resumable builds.
+
+* Round trip: a cached value is the in-process value of the same forward, cast to bfloat16, bit
+  for bit.
+* Training: with a batch's states read from the cache, ``teacher_forced_step`` gives exactly the
+  loss of in-process states rounded to bfloat16. Against the in-process float32 loss it differs by
+  that rounding only (measured: relative 2e-4 to 5e-4 here; asserted: 1e-2). The :class:`Trainer`
+  fed from the cache lands within the same tolerance of in-process training.
+  Trained from the cache for the learning test's 300 steps, a head improves as much as the
+  learning test asks of in-process training (teacher-forced tau +0.3, every slot's acceptance +0.1).
+* Refusals: another target, other taps, another tokenizer, other documents, an unfinished build,
+  a truncated or corrupt shard.
+* Builds: a build that fails part-way leaves only whole shards that the manifest lists; the next
+  call removes the leftovers and resumes. A ``max_minutes`` budget stops a build between batches.
+  The resumed cache equals an uninterrupted one.
+
+The taps are fixed at ``[0, 2]``: one row holds 2·32 feature and 32 final-hidden values (192 bytes).
+"""
+
+import json
+
+import pytest
+import torch
+from test_training import VOCAB, dataset, settings, tiny_head, tiny_target
+from test_training_learning import documents, fitted_target, stdlib_chunks
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+import spark_generate.training.feature_cache as feature_cache_module
+from spark_generate.heads import DSparkHead
+from spark_generate.training import (
+    FeatureCache,
+    FeatureCacheError,
+    LossWeights,
+    TargetStates,
+    TokenDataset,
+    Trainer,
+    TrainingConfig,
+    build_feature_cache,
+    sample_anchors,
+    teacher_forced_step,
+)
+from spark_generate.training.evaluation import evaluate_teacher_forced
+from spark_generate.training.feature_cache import target_states
+from spark_generate.training.trainer import BlockModel
+
+TAPS = [0, 2]
+ROW_BYTES = (len(TAPS) + 1) * 32 * 2
+CPU = torch.device("cpu")
+LOSS_RTOL = 1e-2  # bfloat16 states against float32 ones
+
+
+def tokenizer(size: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``size`` tokens; only its vocabulary matters to the cache."""
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(size)}, "t0")))
+
+
+def build(path, target=None, data=None, **options):
+    target = tiny_target() if target is None else target
+    data = dataset() if data is None else data
+    return build_feature_cache(path, target, tokenizer(), data, TAPS, progress=False, **options)
+
+
+def open_cache(path, target=None, data=None, layer_ids=TAPS, vocab=VOCAB, **options) -> FeatureCache:
+    target = tiny_target() if target is None else target
+    data = dataset() if data is None else data
+    return FeatureCache.open(
+        path, target=target, tokenizer=tokenizer(vocab), dataset=data, layer_ids=layer_ids, **options
+    )
+
+
+def bf16_states(states: TargetStates, dtype: torch.dtype = torch.bfloat16) -> TargetStates:
+    return TargetStates(states.features.to(torch.bfloat16).to(dtype), states.final_hidden.to(torch.bfloat16).to(dtype))
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
+def shard_files(path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
+
+
+# ----------------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_cached_values_are_the_in_process_states_cast_to_bfloat16_bit_for_bit(tmp_path, batch_size):
+    target, data = tiny_target(), dataset()
+    result = build(tmp_path, target, data, batch_size=batch_size, shard_mib=40 * ROW_BYTES / 2**20)
+    assert result.complete and result.num_documents == result.new_documents == len(data)
+    assert len(shard_files(tmp_path)) > 1, "the test must read across shards"
+    cache = open_cache(tmp_path, target, data)
+    for start in range(0, len(data), batch_size):
+        indices = list(range(start, min(start + batch_size, len(data))))
+        batch = data.batch(indices)
+        live = target_states(target, TAPS, batch.input_ids, batch.attention_mask, CPU)
+        for row, index in enumerate(indices):
+            cached = cache.states([index], CPU, torch.bfloat16)
+            length = len(data.sequences[index])
+            assert_same_bits(cached.features[0], live.features[row, :length].to(torch.bfloat16))
+            assert_same_bits(cached.final_hidden[0], live.final_hidden[row, :length].to(torch.bfloat16))
+
+
+def test_a_batch_is_right_padded_with_zeros_in_the_requested_dtype(tmp_path):
+    data = dataset()
+    build(tmp_path, data=data)
+    states = open_cache(tmp_path, data=data).states([4, 0], CPU, torch.float32)
+    assert states.features.shape == (2, 24, 64) and states.final_hidden.shape == (2, 24, 32)
+    assert states.features.dtype == states.final_hidden.dtype == torch.float32
+    assert (states.features[1, 12:] == 0).all() and (states.final_hidden[1, 12:] == 0).all()
+    assert (states.final_hidden[1, :12] != 0).any(dim=-1).all()
+
+
+def test_the_manifest_records_what_the_cache_is_of(tmp_path):
+    target = tiny_target()
+    build(tmp_path, target)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["target_layer_ids"] == TAPS and manifest["dtype"] == "bfloat16"
+    assert manifest["feature_width"] == 64 and manifest["hidden_size"] == 32
+    assert len(manifest["target"]["weights_sha256"]) == len(manifest["tokenizer"]["vocab_sha256"]) == 64
+    assert manifest["data"]["num_documents"] == 6 and manifest["data"]["description"] == "random test documents"
+    shard = manifest["shards"][0]
+    assert shard["first_document"] == 0 and shard["num_rows"] == sum(12 + 3 * i for i in range(6))
+    assert len(shard["sha256"]) == 64
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+
+@pytest.fixture
+def trained_setup(tmp_path):
+    """A target, a head tapping TAPS, the documents and their finished cache."""
+    target = tiny_target()
+    head = tiny_head(target, target_layer_ids=TAPS)
+    data = dataset()
+    build(tmp_path / "cache", target, data)
+    return target, head, data, open_cache(tmp_path / "cache", target, data)
+
+
+def test_a_step_from_the_cache_is_the_in_process_step_on_bfloat16_states(trained_setup):
+    target, head, data, cache = trained_setup
+    head.attach(target)
+    model = BlockModel(head)
+    indices = [0, 1]  # built by one forward each, so the in-process reference runs them alone too
+    batch = data.batch(indices)
+    anchors = sample_anchors(batch.loss_mask, 6, torch.Generator().manual_seed(0))
+    cached_terms, cached_metrics = teacher_forced_step(
+        model, target, head, batch, anchors, LossWeights(), cache.states(indices, CPU, torch.float32)
+    )
+    padded = cache.states(indices, CPU, torch.float32)  # the same zero padding; values overwritten below
+    for row, index in enumerate(indices):
+        alone = data.batch([index])
+        live = bf16_states(target_states(target, TAPS, alone.input_ids, alone.attention_mask, CPU), torch.float32)
+        padded.features[row, : alone.input_ids.shape[1]] = live.features[0]
+        padded.final_hidden[row, : alone.input_ids.shape[1]] = live.final_hidden[0]
+    rounded_terms, rounded_metrics = teacher_forced_step(model, target, head, batch, anchors, LossWeights(), padded)
+    for name in ("total", "ce", "l1", "confidence"):
+        assert torch.equal(getattr(cached_terms, name), getattr(rounded_terms, name)), name
+    assert cached_metrics.as_dict() == rounded_metrics.as_dict()
+
+    live_terms, live_metrics = teacher_forced_step(model, target, head, batch, anchors, LossWeights())
+    live_loss, cached_loss = float(live_terms.total.detach()), float(cached_terms.total.detach())
+    print(f"loss in process {live_loss:.6f}, from the cache {cached_loss:.6f} ({cached_loss / live_loss - 1:+.1e})")
+    for name in ("total", "ce", "l1", "confidence"):
+        torch.testing.assert_close(getattr(cached_terms, name), getattr(live_terms, name), rtol=LOSS_RTOL, atol=0)
+    assert cached_metrics.slot_count.tolist() == live_metrics.slot_count.tolist()
+    torch.testing.assert_close(cached_metrics.acceptance, live_metrics.acceptance, rtol=LOSS_RTOL, atol=0)
+
+
+def test_the_trainer_trains_from_the_cache_as_it_trains_in_process(trained_setup, tmp_path):
+    target, head, data, cache = trained_setup
+    live_head = tiny_head(target, target_layer_ids=TAPS)
+    live = Trainer(live_head, target, data, settings(tmp_path / "live", num_steps=2)).train()
+    cached = Trainer(head, target, data, settings(tmp_path / "cached", num_steps=2), feature_cache=cache).train()
+    print(f"loss after 2 steps: in process {live.loss:.6f}, from the cache {cached.loss:.6f}")
+    assert cached.loss == pytest.approx(live.loss, rel=LOSS_RTOL)
+    torch.testing.assert_close(cached.metrics.acceptance, live.metrics.acceptance, rtol=LOSS_RTOL, atol=0)
+    provenance = json.loads((cached.checkpoint / "provenance.json").read_text())
+    assert provenance["feature_cache"] == {"path": str(cache.path), "dtype": "bfloat16"}
+
+
+def test_the_trainer_refuses_a_cache_of_other_taps_or_documents(trained_setup, tmp_path):
+    target, _, data, cache = trained_setup
+    other_taps = tiny_head(target, target_layer_ids=[1, 2])
+    with pytest.raises(FeatureCacheError, match=r"tap layer ids \[0, 2\], the head reads \[1, 2\]"):
+        Trainer(other_taps, target, data, settings(tmp_path / "a"), feature_cache=cache)
+    fewer = TokenDataset(data.sequences[:3], data.loss_masks[:3], "three documents")
+    with pytest.raises(FeatureCacheError, match="not those of three documents"):
+        Trainer(tiny_head(target, target_layer_ids=TAPS), target, fewer, settings(tmp_path / "b"), feature_cache=cache)
+
+
+@pytest.mark.slow
+def test_training_from_the_cache_learns_as_the_learning_test_asks(tmp_path):
+    chunks, vocab_size = stdlib_chunks()
+    train_chunks, held_out = chunks[:-16], chunks[-16:]
+    target = fitted_target(train_chunks, vocab_size)
+    torch.manual_seed(1)
+    head = DSparkHead.from_target(target, num_draft_layers=1, markov_rank=16, block_size=4)
+    train, held_out_data = documents(train_chunks, "stdlib chunks"), documents(held_out, "held-out stdlib chunks")
+    taps = list(head.config.target_layer_ids)
+    build_feature_cache(tmp_path / "cache", target, tokenizer(vocab_size), train, taps, progress=False)
+    cache = FeatureCache.open(
+        tmp_path / "cache", target=target, tokenizer=tokenizer(vocab_size), dataset=train, layer_ids=taps
+    )
+    before = evaluate_teacher_forced(head, target, held_out_data)
+    settings = TrainingConfig(
+        str(tmp_path / "run"), num_steps=300, batch_size=4, num_anchors=32, learning_rate=3e-3, progress=False
+    )
+    Trainer(head, target, train, settings, feature_cache=cache).train()
+    after = evaluate_teacher_forced(head, target, held_out_data)
+    print(
+        f"teacher-forced tau {before.tau:.3f} -> {after.tau:.3f}, acceptance {before.acceptance} -> {after.acceptance}"
+    )
+    assert after.tau > before.tau + 0.3
+    assert (after.acceptance > before.acceptance + 0.1).all()
+    assert after.confidence_error < before.confidence_error
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+
+
+def test_opening_refuses_another_target_taps_tokenizer_or_documents(tmp_path):
+    build(tmp_path)
+    with pytest.raises(FeatureCacheError, match=r"target weights \(SHA-256\): the cache has '[0-9a-f]{64}'"):
+        open_cache(tmp_path, target=tiny_target(seed=1))
+    with pytest.raises(FeatureCacheError, match=r"tap layer ids: the cache has \[0, 2\], this run has \[1, 2\]"):
+        open_cache(tmp_path, layer_ids=[1, 2])
+    with pytest.raises(FeatureCacheError, match=r"tokenizer vocabulary \(SHA-256\): the cache has '[0-9a-f]{64}'"):
+        open_cache(tmp_path, vocab=VOCAB + 1)
+    with pytest.raises(FeatureCacheError, match=r"(?s)documents' token ids .*build a cache for this run"):
+        open_cache(tmp_path, data=dataset(num_sequences=5))
+    with pytest.raises(FeatureCacheError, match="missing or unreadable"):
+        open_cache(tmp_path / "nowhere")
+
+
+def test_opening_refuses_a_corrupt_or_truncated_shard(tmp_path):
+    build(tmp_path, shard_mib=40 * ROW_BYTES / 2**20)
+    shard = tmp_path / "shard-000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FeatureCacheError, match=r"shard-000001\.bin is corrupt: its SHA-256 is [0-9a-f]{64}, the"):
+        open_cache(tmp_path)
+    open_cache(tmp_path, verify_checksums=False)  # sizes only: the flipped bit goes unseen
+    shard.write_bytes(bytes(data[:-ROW_BYTES]))
+    with pytest.raises(
+        FeatureCacheError, match=r"shard-000001\.bin has 8448 bytes; expected 8640 bytes \(45 rows of 96"
+    ):
+        open_cache(tmp_path, verify_checksums=False)
+    shard.unlink()
+    with pytest.raises(FeatureCacheError, match=r"shard-000001\.bin is missing; .*documents 3 to 4\)"):
+        open_cache(tmp_path)
+
+
+def test_building_refuses_a_folder_of_other_files_or_another_cache(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FeatureCacheError, match=r"holds \['notes.txt'\] but no manifest.json"):
+        build(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    build(tmp_path / "cache")
+    with pytest.raises(FeatureCacheError, match=r"(?s)target weights .*cache in another folder, or delete"):
+        build(tmp_path / "cache", target=tiny_target(seed=1))
+    with pytest.raises(ValueError, match="batch_size=0"):
+        build(tmp_path / "other", batch_size=0)
+
+
+# ----------------------------------------------------------------------------------------------- resuming
+
+
+def test_a_failed_build_leaves_whole_listed_shards_and_resumes_to_the_same_cache(tmp_path, monkeypatch):
+    target, data = tiny_target(), dataset()
+    shard_mib = 40 * ROW_BYTES / 2**20  # documents of 12, 15, 18 | 21, 24 | 27 rows
+    build(tmp_path / "straight", target, data, shard_mib=shard_mib)
+    live = feature_cache_module.target_states
+    calls = []
+
+    def fails_on_the_fifth_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # document 4, with document 3 already in the unfinished second shard
+            raise RuntimeError("out of memory")
+        return live(*args, **kwargs)
+
+    monkeypatch.setattr(feature_cache_module, "target_states", fails_on_the_fifth_forward)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        build(tmp_path / "resumed", target, data, shard_mib=shard_mib)
+    assert shard_files(tmp_path / "resumed") == ["shard-000000.bin"]
+    manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert not manifest["complete"] and [s["num_documents"] for s in manifest["shards"]] == [3]
+    with pytest.raises(FeatureCacheError, match="holds 3 of 6 documents: its build did not finish"):
+        open_cache(tmp_path / "resumed", target, data)
+
+    # What a killed process leaves: a temporary shard, a shard renamed before the manifest listed it.
+    (tmp_path / "resumed" / ".shard-000001.bin.tmp-99999").write_bytes(b"partial")
+    (tmp_path / "resumed" / "shard-000001.bin").write_bytes(b"unlisted")
+    (tmp_path / "resumed" / ".manifest.json.tmp-99999").write_text("{")
+    monkeypatch.setattr(feature_cache_module, "target_states", live)
+    result = build(tmp_path / "resumed", target, data, shard_mib=shard_mib)
+    assert result.complete and result.new_documents == 3 and result.num_documents == 6
+    assert shard_files(tmp_path / "resumed") == shard_files(tmp_path / "straight")
+    for name in shard_files(tmp_path / "straight"):
+        assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "straight" / name).read_bytes()
+    open_cache(tmp_path / "resumed", target, data)
+
+
+def test_max_minutes_stops_between_batches_and_the_next_call_goes_on(tmp_path):
+    target, data = tiny_target(), dataset()
+    results = [build(tmp_path, target, data, batch_size=2, max_minutes=0) for _ in range(3)]
+    assert [(r.complete, r.num_documents, r.new_documents) for r in results] == [
+        (False, 2, 2), (False, 4, 2), (True, 6, 2),
+    ]  # fmt: skip
+    assert shard_files(tmp_path) == ["shard-000000.bin", "shard-000001.bin", "shard-000002.bin"]
+    again = build(tmp_path, target, data)
+    assert (again.complete, again.new_documents) == (True, 0)
+    cache = open_cache(tmp_path, target, data)
+    batch = data.batch([4, 5])
+    live = target_states(target, TAPS, batch.input_ids, batch.attention_mask, CPU)
+    assert_same_bits(cache.states([5], CPU, torch.bfloat16).features[0], live.features[1].to(torch.bfloat16))
