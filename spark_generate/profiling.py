@@ -55,6 +55,7 @@ def profile_costs(
     Runs a prefill of random tokens, then times (best of ``repeats``) one draft round of
     ``batch_size`` rows and target forwards over ``rows × (1 + n)`` tokens for ``n = 0 .. S``, with
     ``rows = batch_size`` and, if larger than 1, ``rows = 1``, rolling the cache back each time.
+    Verification costs are made non-decreasing in the token count (timing noise removed).
 
     Args:
         model: The target.
@@ -74,7 +75,12 @@ def profile_costs(
         verify_seconds, draft_seconds = _profile_batch(model, head, rows, context_length, repeats)
         seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
     points = sorted(seconds)
-    table = CostTable(tuple(points), tuple(seconds[n] for n in points), draft_seconds=draft_seconds)
+    # A forward over more tokens never costs less: a timing spike at a small count (another process
+    # on the machine) is replaced by the cheapest larger count, so the table is non-decreasing.
+    verify_seconds = [seconds[n] for n in points]
+    for index in range(len(verify_seconds) - 2, -1, -1):
+        verify_seconds[index] = min(verify_seconds[index], verify_seconds[index + 1])
+    table = CostTable(tuple(points), tuple(verify_seconds), draft_seconds=draft_seconds)
     if path is not None:
         table.save(path)
     return table
@@ -143,7 +149,7 @@ def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int) ->
             return CostTable.load(path)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is measured again and replaced
-    table = profile_costs(model, head, batch_size=batch_size, repeats=2)
+    table = profile_costs(model, head, batch_size=batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
         json.dump({**table.to_dict(), "key": key}, handle, indent=2)

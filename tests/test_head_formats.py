@@ -110,7 +110,11 @@ def test_model_card_is_written(tmp_path, qwen3):
     ):
         assert section in text
     assert "| commit | abc123 |" in text and "| mean accepted length (T=0) | 3.5 |" in text
-    assert 'DSparkHead.from_pretrained("org/tiny-dspark")' in text and "$" not in text.replace("$$", "")
+    assert (
+        'assistant="org/tiny-dspark"' in text
+        and 'custom_generate="org/tiny-dspark"' in text
+        and "$" not in text.replace("$$", "")
+    )
 
 
 def write_deepspec_folder(head: DSparkHead, target, folder: Path) -> None:
@@ -356,7 +360,7 @@ def test_push_to_hub_uploads_through_the_mixin_and_keeps_the_card(monkeypatch, q
     assert json.loads(uploaded["config.json"])["speculators_model_type"] == "dspark"
     assert cards and cards[0][0] == "org/tiny-dspark"
     assert "library_name: spark_generate" in cards[0][1]
-    assert 'DSparkHead.from_pretrained("org/tiny-dspark")' in cards[0][1]
+    assert 'assistant="org/tiny-dspark"' in cards[0][1]
 
 
 def files_under(folder: str | Path) -> list[Path]:
