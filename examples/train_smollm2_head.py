@@ -1,4 +1,4 @@
-"""The recipe of the shipped head ``model_cards/smollm2-135m-instruct-dspark``, end to end on a CPU.
+r"""The recipe of the shipped head ``model_cards/smollm2-135m-instruct-dspark``, end to end on a CPU.
 
 Each stage writes into ``--workdir`` and is skipped (or resumed) when its output already exists,
 so rerunning the script continues where it stopped:
@@ -23,6 +23,18 @@ so rerunning the script continues where it stopped:
     python examples/train_smollm2_head.py --stage train --variant dflash --threads 1
 
 The two variants can be trained at the same time in two processes (``--variant``, ``--threads 1``).
+
+The full on-policy corpus (all ~4,400 training prompts answered the same way: roughly 650k answer
+tokens, at 148 per answer in the sample of ``benchmarks/bench_regenerate.py``) takes about two hours
+at the 86 answer tokens/s measured there on 2 shared CPU cores, so it is built in sessions under a
+time budget. Run this command until its summary line says ``done``; each run continues where the
+last one stopped, and the result equals one uninterrupted run::
+
+    spark-generate regenerate --target smollm2-135m-instruct --prompts builtin:mixed --greedy \
+        --max-new-tokens 192 --max-minutes 50
+
+It writes ``~/.cache/spark_generate/data/smollm2-135m-instruct-mixed.jsonl`` (under
+``$SPARK_GENERATE_CACHE/data`` when that is set), with its ``.meta.json`` and ``.progress.json``.
 """
 
 import argparse
@@ -60,7 +72,7 @@ def _latest_checkpoint(folder: Path) -> Path | None:
 
 def stage_regenerate(workdir: Path, target, tokenizer) -> Path:
     prompts = prompt_sets.mixed_training_prompts()[:NUM_TRAIN_PROMPTS]
-    return regenerate(target, tokenizer, prompts, workdir / "train.jsonl", REGENERATION, batch_size=32)
+    return regenerate(target, tokenizer, prompts, workdir / "train.jsonl", REGENERATION).path
 
 
 def stage_train(workdir: Path, variant: str, target) -> Path:
@@ -142,8 +154,9 @@ def write_card(workdir: Path, destination: Path) -> None:
     results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in calibration["temperatures"])
     training = (
         f"Trained with `examples/train_smollm2_head.py` (spark_generate) for {provenance['step']} steps on "
-        f"{NUM_TRAIN_PROMPTS} prompts (HumanEval minus the held-out problems, CodeIO tasks, GSM-Symbolic "
-        "problems, Vicuna-bench and WritingBench requests, interleaved) answered greedily by the target itself "
+        f"{NUM_TRAIN_PROMPTS} prompts (HumanEval minus the held-out problems, CodeIO tasks, GSM-Symbolic and other "
+        "reasoning-gym math problems, Vicuna-bench, WritingBench, PersistBench and FreshQA requests, interleaved) "
+        "answered greedily by the target itself "
         f"(up to {REGENERATION.max_new_tokens} tokens), with the frozen target computing hidden states on the "
         "fly; the evaluation prompts (every eighth HumanEval problem, a separate GSM-Symbolic draw, MT-Bench) "
         "were never trained on. The target is SmolLM2-135M-Instruct as shipped in the PyPI package "

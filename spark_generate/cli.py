@@ -34,12 +34,19 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+import spark_generate.prompt_sets as prompt_sets
 import spark_generate.zoo as zoo
 from spark_generate.config import DSparkConfig
 from spark_generate.heads import DSparkHead
 from spark_generate.training import TrainingConfig
 from spark_generate.training.evaluation import DecodingSettings
-from spark_generate.training.regenerate import SamplingSettings, prompt_ids, read_prompts, regenerate
+from spark_generate.training.regenerate import (
+    SamplingSettings,
+    data_directory,
+    prompt_ids,
+    read_prompts,
+    regenerate,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -59,6 +66,8 @@ DESCRIPTION = (
     "train a head (train), fit the temperatures of its confidence head (calibrate), measure it (eval), write its "
     "model card (card), and move it between the speculators and DeepSpec formats (convert)."
 )
+BUILTIN_PROMPTS = "builtin:"
+"""Prefix of a built-in training prompt set in ``regenerate --prompts`` (:data:`prompt_sets.TRAINING_SETS`)."""
 PROMPT_FILES = (
     "files: .txt holds one prompt per non-empty line; .jsonl holds one JSON object per line with "
     '"prompt" (a string) or "messages" (a chat, e.g. [{"role": "user", "content": "..."}]). The target\'s '
@@ -143,16 +152,36 @@ def _prompt_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> list[lis
     return [prompt_ids(tokenizer, prompt) for prompt in read_prompts(path)]
 
 
+def _regeneration_prompts(source: str) -> list[str | list[dict[str, str]]]:
+    """The prompts of ``--prompts``: a built-in training set (``builtin:NAME``) or a prompt file."""
+    if not source.startswith(BUILTIN_PROMPTS):
+        return read_prompts(source)
+    try:
+        return prompt_sets.training_prompts(source.removeprefix(BUILTIN_PROMPTS))
+    except ModuleNotFoundError as error:  # a prompt package is missing; the message names the install command
+        raise ValueError(str(error)) from error
+
+
 def _regenerate(args: argparse.Namespace) -> str:
-    prompts = read_prompts(args.prompts)
+    prompts = _regeneration_prompts(args.prompts)
+    name = f"{Path(args.target).name}-{Path(args.prompts.removeprefix(BUILTIN_PROMPTS)).stem}.jsonl"
+    output = Path(args.output) if args.output else data_directory() / name
     tokenizer = _load_tokenizer(args.target)
     target = _load_target(args.target, args.dtype)
     settings = SamplingSettings(
         max_new_tokens=args.max_new_tokens, do_sample=not args.greedy, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
-    regenerate(target, tokenizer, prompts, args.output, settings, batch_size=args.batch_size, progress="regenerate")
-    return f"regenerate: {len(prompts)} answers in {args.output} (settings in {args.output}.meta.json)"
+    result = regenerate(
+        target, tokenizer, prompts, output, settings, batch_size=args.batch_size, max_minutes=args.max_minutes,
+        progress="regenerate",
+    )  # fmt: skip
+    status = "done" if result.finished else f"stopped at the {args.max_minutes}-minute budget: rerun to continue"
+    return (
+        f"regenerate: {result.num_done} answers in {output} ({result.num_done}/{result.num_prompts} prompts, "
+        f"{result.answer_tokens:,} answer tokens, {result.session_tokens_per_second:.1f} answer tokens/s in this "
+        f"run); {status}; settings in {output}.meta.json"
+    )
 
 
 def _train(args: argparse.Namespace) -> str:
@@ -360,13 +389,30 @@ def build_parser() -> argparse.ArgumentParser:
     regenerate_parser = command(
         "regenerate", "let the target answer prompts (on-policy training data)",
         "The target answers every prompt (chat template applied when the tokenizer has one); the documents are "
-        "written as JSONL with the loss mask on the answers. Rerun to resume.", prompts=True,
+        "written as JSONL with the loss mask on the answers. A run stopped by --max-minutes or interrupted is "
+        "continued by the same command, and ends with the same file as one uninterrupted run.", prompts=True,
     )  # fmt: skip
     _add_target(regenerate_parser)
-    regenerate_parser.add_argument("--prompts", required=True, help="prompt file, .txt or .jsonl (formats below)")
-    regenerate_parser.add_argument("--output", required=True, help="JSONL file to write (resumed when it exists)")
+    regenerate_parser.add_argument(
+        "--prompts", required=True,
+        help=f"prompt file, .txt or .jsonl (formats below), or a built-in training set: {BUILTIN_PROMPTS}mixed "
+        "(code, math and chat interleaved, the evaluation prompts held out) or "
+        f"{', '.join(BUILTIN_PROMPTS + name for name in prompt_sets.DOMAINS)}",
+    )  # fmt: skip
+    regenerate_parser.add_argument(
+        "--output",
+        help="JSONL file to write, continued when it exists (default: TARGET-PROMPTS.jsonl in "
+        "$SPARK_GENERATE_CACHE/data, or ~/.cache/spark_generate/data)",
+    )
     regenerate_parser.add_argument("--greedy", action="store_true", help="greedy answers instead of sampling")
-    _add_defaulted(regenerate_parser, regenerate, (("--batch-size", int, "prompts per generate() call"),))
+    _add_defaulted(
+        regenerate_parser, regenerate,
+        (
+            ("--batch-size", int, "most prompts answered together"),
+            ("--max-minutes", float, "stop after this many minutes; run the same command again to continue "
+             "(default: no limit)"),
+        ),
+    )  # fmt: skip
     _add_defaulted(
         regenerate_parser, SamplingSettings,
         (
@@ -374,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--temperature", float, "sampling temperature"),
             ("--top-p", float, "nucleus sampling mass"),
             ("--top-k", int, "candidates kept when sampling"),
-            ("--seed", int, "base seed (batch i uses seed + i)"),
+            ("--seed", int, "base seed (the prompt at index i samples with a seed drawn from it and i)"),
         ),
     )  # fmt: skip
     regenerate_parser.set_defaults(run=_regenerate)

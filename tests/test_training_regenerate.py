@@ -1,21 +1,35 @@
 """On-policy regeneration with a tiny random target and a word-level tokenizer built in memory.
 
-Checks the JSONL documents (prompt then answer, loss mask on the answer only), the chat template,
-prompt files, the recorded settings, and that an interrupted run resumes to the same file.
+Checks the JSONL documents (prompt then answer, loss mask on the answer only), the chat template
+and prompt files; that greedy answers equal plain ``generate()`` on each prompt alone although
+prompts are bucketed by length and rows leave the batch as they end (the target is chosen so that
+answers end at different steps); that sampled answers do not depend on the batch size; and that a
+run stopped by its time budget, interrupted mid-batch or cut off mid-write resumes to exactly the
+file of one uninterrupted run. The ``regenerate`` command is run on a saved copy of the target.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_target
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
+from spark_generate.cli import main
 from spark_generate.training import read_jsonl
-from spark_generate.training.regenerate import SamplingSettings, read_prompts, regenerate
+from spark_generate.training import regenerate as regenerate_module
+from spark_generate.training.regenerate import SamplingSettings, data_directory, read_prompts, regenerate
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", ":", "assistant", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+PROMPTS = [
+    "the cat sat", "a dog ran on the mat", "the mat", "cat", "dog sat on a cat", "the dog", "a cat ran",
+    "mat on the cat sat a dog ran",
+]  # fmt: skip
+GREEDY = SamplingSettings(max_new_tokens=12, do_sample=False)
+SAMPLED = SamplingSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, seed=3)
 
 
 def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
@@ -30,58 +44,144 @@ def word_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def target():
-    config = LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+    # Sharp random weights: greedy answers to PROMPTS end after 12, 3, 12, 12, 9, 12, 2 and 2 tokens.
+    return tiny_target(
+        num_layers=2, vocab_size=len(WORDS), hidden_size=32, intermediate_size=48, max_position_embeddings=64,
+        initializer_range=0.3,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
-PROMPTS = ["the cat sat", "a dog ran on the mat", "the mat", "cat", "dog sat on a cat"]
-SETTINGS = SamplingSettings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0, seed=3)
+def answers(path: Path) -> dict[int, list[int]]:
+    """The answer ids of every document, by prompt index."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {
+        record["index"]: [t for t, m in zip(record["input_ids"], record["loss_mask"], strict=True) if m]
+        for record in records
+    }
 
 
 def test_documents_are_prompt_then_answer_with_the_answer_masked(tmp_path, target):
     tokenizer = word_tokenizer()
-    path = regenerate(target, tokenizer, PROMPTS, tmp_path / "data.jsonl", SETTINGS, batch_size=2)
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [record["index"] for record in records] == list(range(len(PROMPTS)))
-    for prompt, record in zip(PROMPTS, records, strict=True):
-        prompt_ids = tokenizer(prompt).input_ids
+    result = regenerate(target, tokenizer, PROMPTS, tmp_path / "data.jsonl", SAMPLED, batch_size=3)
+    records = [json.loads(line) for line in result.path.read_text().splitlines()]
+    assert sorted(record["index"] for record in records) == list(range(len(PROMPTS)))
+    for record in records:
+        prompt_ids = tokenizer(PROMPTS[record["index"]]).input_ids
         assert record["input_ids"][: len(prompt_ids)] == prompt_ids
         answer_length = len(record["input_ids"]) - len(prompt_ids)
-        assert 1 <= answer_length <= SETTINGS.max_new_tokens
+        assert 1 <= answer_length <= SAMPLED.max_new_tokens
         assert record["loss_mask"] == [0] * len(prompt_ids) + [1] * answer_length
         assert 1 not in record["input_ids"][len(prompt_ids) : -1]  # cut after the first end-of-sequence
     meta = json.loads((tmp_path / "data.jsonl.meta.json").read_text())
     assert meta["sampling"]["temperature"] == 1.0 and meta["num_prompts"] == len(PROMPTS)
-    assert len(read_jsonl(path)) == len(PROMPTS)
+    assert len(read_jsonl(result.path)) == len(PROMPTS)
+    assert result.finished and result.num_done == len(PROMPTS)
+    assert result.answer_tokens == sum(map(len, answers(result.path).values())) == result.session_answer_tokens
 
 
 def test_chat_template_wraps_each_prompt(tmp_path, target):
     tokenizer = word_tokenizer(CHAT_TEMPLATE)
-    path = regenerate(target, tokenizer, ["the cat"], tmp_path / "chat.jsonl", SETTINGS)
+    path = regenerate(target, tokenizer, ["the cat"], tmp_path / "chat.jsonl", SAMPLED).path
     record = json.loads(path.read_text())
     expected = tokenizer("user : the cat assistant :").input_ids
     assert record["input_ids"][: len(expected)] == expected
     assert record["loss_mask"][: len(expected)] == [0] * len(expected)
 
 
-def test_an_interrupted_run_resumes_to_the_same_file(tmp_path, target):
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_greedy_answers_equal_plain_generate_on_each_prompt(tmp_path, target, batch_size):
     tokenizer = word_tokenizer()
-    straight = regenerate(target, tokenizer, PROMPTS, tmp_path / "straight.jsonl", SETTINGS, batch_size=2)
+    found = answers(regenerate(target, tokenizer, PROMPTS, tmp_path / "data.jsonl", GREEDY, batch_size).path)
+    expected = {}
+    for index, prompt in enumerate(PROMPTS):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        output = target.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=GREEDY.max_new_tokens, pad_token_id=0, eos_token_id=1,
+        )[0, ids.shape[1] :].tolist()  # fmt: skip
+        expected[index] = output[: output.index(1) + 1] if 1 in output else output
+    assert found == expected
+    # Rows ended at different steps, so rows really left the batch mid-way.
+    assert len({len(answer) for answer in expected.values()}) >= 3
+
+
+def test_sampled_answers_do_not_depend_on_the_batch(tmp_path, target):
+    tokenizer = word_tokenizer()
+    runs = [
+        answers(regenerate(target, tokenizer, PROMPTS, tmp_path / f"{size}.jsonl", SAMPLED, size).path)
+        for size in (1, 3, 8)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+    reseeded = SamplingSettings(**{**SAMPLED.__dict__, "seed": 4})
+    assert answers(regenerate(target, tokenizer, PROMPTS, tmp_path / "4.jsonl", reseeded, 3).path) != runs[0]
+
+
+class FakeClock:
+    """Stands in for the module's ``time``: each reading is one second after the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_run_stopped_by_its_budget_resumes_to_the_uninterrupted_file(tmp_path, target, monkeypatch):
+    tokenizer = word_tokenizer()
+    straight = regenerate(target, tokenizer, PROMPTS, tmp_path / "straight.jsonl", SAMPLED, batch_size=3).path
+    monkeypatch.setattr(regenerate_module, "time", FakeClock())
     resumed = tmp_path / "resumed.jsonl"
-    regenerate(target, tokenizer, PROMPTS, resumed, SETTINGS, batch_size=2)
-    lines = resumed.read_text().splitlines(keepends=True)
-    resumed.write_text("".join(lines[:3]) + lines[3][:5])  # three documents and a torn fourth line
-    regenerate(target, tokenizer, PROMPTS, resumed, SETTINGS, batch_size=2)
-    assert resumed.read_text() == straight.read_text()
-    with pytest.raises(ValueError, match="other settings"):
-        regenerate(target, tokenizer, PROMPTS, resumed, SamplingSettings(max_new_tokens=2), batch_size=2)
+    runs = []
+    while not runs or not runs[-1].finished:
+        runs.append(regenerate(target, tokenizer, PROMPTS, resumed, SAMPLED, batch_size=3, max_minutes=0.5))
+        assert len(read_jsonl(resumed)) == runs[-1].num_done  # only whole records, all counted
+        assert len(runs) < 20, "the budget never let the run progress"
+    assert len(runs) >= 2 and all(run.session_answer_tokens for run in runs)
+    assert resumed.read_bytes() == straight.read_bytes()
+    assert runs[-1].answer_tokens == sum(run.session_answer_tokens for run in runs)
 
 
-def test_prompt_files(tmp_path):
+def test_an_interrupted_run_resumes_to_the_uninterrupted_file(tmp_path, target, monkeypatch):
+    tokenizer = word_tokenizer()
+    straight = regenerate(target, tokenizer, PROMPTS, tmp_path / "straight.jsonl", GREEDY, batch_size=3).path
+    calls = []
+
+    def interrupted_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 16:  # the second batch, after one of its rows ended (batches: 12, 12 and 3 forwards)
+            raise KeyboardInterrupt
+        return target_forward(*args, **kwargs)
+
+    target_forward = regenerate_module.target_forward
+    monkeypatch.setattr(regenerate_module, "target_forward", interrupted_forward)
+    resumed = tmp_path / "resumed.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(target, tokenizer, PROMPTS, resumed, GREEDY, batch_size=3)
+    monkeypatch.undo()
+    done = len(read_jsonl(resumed))
+    assert 0 < done < len(PROMPTS)
+    with resumed.open("ab") as file:  # a record whose write was cut off
+        file.write(b'{"index": 5, "input_ids": [6, 12')
+    result = regenerate(target, tokenizer, PROMPTS, resumed, GREEDY, batch_size=3)
+    assert resumed.read_bytes() == straight.read_bytes()
+    assert result.finished and 0 < result.session_answer_tokens < result.answer_tokens
+
+
+def test_a_file_of_other_settings_or_origin_is_refused(tmp_path, target):
+    tokenizer = word_tokenizer()
+    path = regenerate(target, tokenizer, PROMPTS, tmp_path / "data.jsonl", SAMPLED, batch_size=3).path
+    with pytest.raises(ValueError, match="other settings, prompts or target"):
+        regenerate(target, tokenizer, PROMPTS, path, GREEDY, batch_size=3)
+    with pytest.raises(ValueError, match="other settings, prompts or target"):
+        regenerate(target, tokenizer, PROMPTS[::-1], path, SAMPLED, batch_size=3)
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"input_ids": [1], "loss_mask": [1]}\n')
+    with pytest.raises(ValueError, match=r"has no foreign\.jsonl\.progress\.json"):
+        regenerate(target, tokenizer, PROMPTS, foreign, SAMPLED)
+
+
+def test_prompt_files_and_arguments(tmp_path):
     text = tmp_path / "prompts.txt"
     text.write_text("the cat\n\na dog\n")
     assert read_prompts(text) == ["the cat", "a dog"]
@@ -96,3 +196,32 @@ def test_prompt_files(tmp_path):
         read_prompts(tmp_path / "missing.txt")
     with pytest.raises(ValueError, match="prompts is empty"):
         regenerate(None, None, [], tmp_path / "out.jsonl")
+    with pytest.raises(ValueError, match=r"max_minutes=0; expected a positive number of minutes, or None"):
+        regenerate(None, None, ["the cat"], tmp_path / "out.jsonl", max_minutes=0)
+    with pytest.raises(ValueError, match=r"batch_size=0; expected at least 1"):
+        regenerate(None, None, ["the cat"], tmp_path / "out.jsonl", batch_size=0)
+
+
+def test_the_command_writes_to_the_data_folder_and_continues_within_its_budget(tmp_path, target, monkeypatch, capsys):
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path / "cache"))
+    command = ["regenerate", "--target", str(folder), "--prompts", str(prompts), "--greedy", "--max-new-tokens",
+               "12", "--batch-size", "3", "--max-minutes", "0.5"]  # fmt: skip
+    monkeypatch.setattr(regenerate_module, "time", FakeClock())
+    assert main(command) == 0
+    output = capsys.readouterr().out
+    data = tmp_path / "cache" / "data" / "target-prompts.jsonl"
+    assert data_directory() == tmp_path / "cache" / "data"
+    assert f"in {data} (" in output and "stopped at the 0.5-minute budget: rerun to continue" in output
+    for _ in range(20):
+        assert main(command) == 0
+        output = capsys.readouterr().out
+        if "; done;" in output:
+            break
+    assert f"regenerate: {len(PROMPTS)} answers in {data} ({len(PROMPTS)}/{len(PROMPTS)} prompts" in output
+    code = main(["regenerate", "--target", str(folder), "--prompts", "builtin:poetry"])
+    assert code == 2 and "unknown training prompt set 'poetry'; expected one of" in capsys.readouterr().err
