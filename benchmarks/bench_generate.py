@@ -137,11 +137,11 @@ class Bench:
         self.temperatures = load_calibration(DSPARK_HEAD / "calibration.json")
         self.args = args
 
-    def schedule(self, system: str, batch_size: int) -> FixedLength | GoodputSchedule | AdaptiveSchedule:
+    def schedule(self, system: str, batch_size: int, greedy: bool) -> FixedLength | GoodputSchedule | AdaptiveSchedule:
         """The schedule of a DSpark system at this batch size (cost tables: this machine's, cached)."""
         if system in ("dflash", "dspark-fixed"):
             return FixedLength()
-        costs = cost_table_for(self.target, self.heads["dspark"], batch_size)
+        costs = cost_table_for(self.target, self.heads["dspark"], batch_size, greedy)
         if system == "dspark-goodput":
             return GoodputSchedule(costs, self.temperatures)
         return AdaptiveSchedule(costs, self.temperatures)
@@ -153,7 +153,7 @@ class Bench:
             extra = PROMPT_LOOKUP if system == "prompt-lookup" else {}
             return self.target.generate(**inputs, **settings, **extra), None
         head = self.heads["dflash" if system == "dflash" else "dspark"]
-        schedule = self.schedule(system, inputs["input_ids"].shape[0])
+        schedule = self.schedule(system, inputs["input_ids"].shape[0], not settings.get("do_sample", False))
         output = self.model.generate(
             **inputs, **settings, assistant=head, schedule=schedule, seed=seed, return_dict_in_generate=True
         )
@@ -168,7 +168,7 @@ class Bench:
             settings.update(do_sample=False)
         if system in ("dspark-goodput", "dspark"):  # profile the costs of every batch shape before any timing
             for first in range(0, len(prompts), batch_size):
-                self.schedule(system, len(prompts[first : first + batch_size]))
+                self.schedule(system, len(prompts[first : first + batch_size]), temperature == 0)
         sequences, latencies, ttft = [], [], []
         forwards = committed = 0
         accepted = verified = None

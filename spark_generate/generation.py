@@ -60,6 +60,9 @@ __all__ = [
 # then costs one backbone pass over at most this many rows, whatever the gap).
 MAX_CATCH_UP_ROWS = 32
 
+# Finished rows leave the batch together once they are at least a quarter of it (see drop_finished_rows).
+DROP_FRACTION = 4
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -247,7 +250,7 @@ def speculative_generate(
     check_holes_allowed(target, batch_size, generation_config.max_length + max_new_tokens * num_drafts)
     cost_table = None
     if isinstance(schedule, AdaptiveSchedule) and schedule.cost_table is None:
-        cost_table = cost_table_for(target, head, batch_size)
+        cost_table = cost_table_for(target, head, batch_size, greedy=not generation_config.do_sample)
     pad_token_id = _pad_token_id(generation_config)
     token_ids = input_ids.new_full((batch_size, generation_config.max_length + num_drafts + 1), pad_token_id or 0)
     token_ids[:, :prompt_length] = input_ids
@@ -342,6 +345,7 @@ def speculative_step(state: DecodeState) -> None:
     settings, running = state.settings, state.running
     num_rows, start = len(running.rows), time.perf_counter()
     anchor_ids, prefixes = state.anchor_ids, state.prefixes
+    live = state.unfinished[running.rows]  # finished rows may ride along until they are dropped
     drafting = state.schedule.should_draft()
     if drafting:
         request = DraftRequest(
@@ -353,7 +357,8 @@ def speculative_step(state: DecodeState) -> None:
     else:
         block, num_verified = DraftBlock.nothing(anchor_ids), torch.zeros(num_rows, dtype=torch.int64)
     budget = settings.max_length - state.lengths[running.rows] - 1  # a row never emits past max_length
-    num_verified = torch.minimum(num_verified.to(budget.device), budget.clamp(min=0))
+    budget = torch.where(live, budget.clamp(min=0), 0)  # a finished row only steps along, one token a round
+    num_verified = torch.minimum(num_verified.to(budget.device), budget)
     width = int(num_verified.max()) + 1
     verify_start = time.perf_counter()
 
@@ -369,8 +374,10 @@ def speculative_step(state: DecodeState) -> None:
         running.sampling,
     )  # fmt: skip
     if drafting:
-        state.schedule.record(num_verified, verdict.num_emitted)
-    record_step(state.stats, running.rows, num_verified, verdict.num_accepted, drafting, start, verify_start)
+        state.schedule.record(num_verified[live], verdict.num_emitted[live])
+    record_step(
+        state.stats, running.rows[live], num_verified[live], verdict.num_accepted[live], drafting, start, verify_start
+    )
 
     commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits)
     kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
@@ -428,9 +435,16 @@ def commit(
 
 
 def drop_finished_rows(state: DecodeState) -> None:
-    """Removes finished rows from every per-row state (see :meth:`RunningRows.select`)."""
+    """Removes finished rows from every per-row state (see :meth:`RunningRows.select`).
+
+    Selecting rows copies the target's whole KV cache, whatever the number of rows dropped, while a
+    finished row left in the batch only costs its share of the next forwards (its tokens are never
+    committed). Finished rows are therefore dropped together, once they are at least
+    ``1 / DROP_FRACTION`` of the running rows, or when no row is left running.
+    """
     running = state.unfinished[state.running.rows]
-    if bool(running.all()):
+    num_finished = len(running) - int(running.sum())
+    if num_finished == 0 or 0 < num_finished * DROP_FRACTION < len(running):
         return
     keep = running.nonzero()[:, 0]
     if not len(keep):  # everything stopped: nothing left to select in the caches

@@ -46,6 +46,7 @@ def profile_costs(
     head: DSparkHead,
     *,
     batch_size: int = 1,
+    greedy: bool = True,
     context_length: int = 64,
     repeats: int = 3,
     path: str | Path | None = None,
@@ -61,6 +62,7 @@ def profile_costs(
         model: The target.
         head: Its draft head (attached to it here).
         batch_size: Rows per round.
+        greedy: Draft greedily (else sample each slot, which costs more per slot).
         context_length: Prompt length of the measurement.
         repeats: Timings per point; the fastest is kept.
         path: Where to write the table (JSON), or None.
@@ -72,7 +74,7 @@ def profile_costs(
     num_drafts = head.config.num_draft_tokens
     seconds: dict[int, float] = {}
     for rows in sorted({1, batch_size}):
-        verify_seconds, draft_seconds = _profile_batch(model, head, rows, context_length, repeats)
+        verify_seconds, draft_seconds = _profile_batch(model, head, rows, greedy, context_length, repeats)
         seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
     points = sorted(seconds)
     # A forward over more tokens never costs less: a timing spike at a small count (another process
@@ -87,7 +89,7 @@ def profile_costs(
 
 
 def _profile_batch(
-    model: PreTrainedModel, head: DSparkHead, batch_size: int, context_length: int, repeats: int
+    model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool, context_length: int, repeats: int
 ) -> tuple[list[float], float]:
     """Best-of-``repeats`` seconds of target forwards over widths ``1 .. S + 1``, and of one draft round."""
     device = next(model.parameters()).device
@@ -112,7 +114,7 @@ def _profile_batch(
         )  # fmt: skip
         features = tap.take()
         drafter = HeadDrafter(head)
-        sampling = Sampling(greedy=True, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
+        sampling = Sampling(greedy=greedy, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
         rows = torch.arange(batch_size, device=device)
         prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
 
@@ -132,15 +134,15 @@ def _profile_batch(
     return verify_seconds, draft_seconds
 
 
-def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int) -> CostTable:
-    """This machine's cost table for ``model``, ``head`` and ``batch_size``: cached, else profiled once.
+def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool = True) -> CostTable:
+    """This machine's cost table for ``model``, ``head``, ``batch_size`` and sampling mode: cached, else profiled once.
 
     With ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
     """
     device = next(model.parameters()).device
     if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
         return CostTable.estimate(device.type, batch_size * (head.config.num_draft_tokens + 1))
-    key = _machine_key(model, head, batch_size, device)
+    key = {**_machine_key(model, head, batch_size, device), "greedy": greedy}
     path = (
         cache_folder() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
     )
@@ -149,7 +151,7 @@ def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int) ->
             return CostTable.load(path)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is measured again and replaced
-    table = profile_costs(model, head, batch_size=batch_size)
+    table = profile_costs(model, head, batch_size=batch_size, greedy=greedy)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
         json.dump({**table.to_dict(), "key": key}, handle, indent=2)

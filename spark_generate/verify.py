@@ -27,6 +27,7 @@ from transformers import LogitsProcessorList
 from spark_generate.drafting import DraftBlock
 from spark_generate.kernels import rejection_sample
 from spark_generate.rows import RowPrefixes, Sampling, apply_processors
+from spark_generate.sampling import sample
 
 __all__ = ["Verdict", "check_finite", "verify_block"]
 
@@ -128,6 +129,12 @@ def verify_block(
         )
     if sampling.greedy:
         token_ids, num_emitted = _greedy_verdict(target_scores.argmax(dim=-1), draft_token_ids, num_verified)
+    elif width == 1:  # a plain step: what rejection_sample emits with no drafts, drawn directly
+        bonus = sample(
+            torch.softmax(target_scores[:, 0], dim=-1), seed=sampling.seeds, positions=anchor_positions + 1,
+            validate=False,
+        )  # fmt: skip
+        token_ids, num_emitted = bonus[:, None], torch.ones_like(bonus)
     else:
         target_probs = torch.softmax(target_scores, dim=-1)
         draft_probs = block.target_probs(width - 1, target_probs.shape[-1])
