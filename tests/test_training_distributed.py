@@ -5,6 +5,7 @@ weights, and only the main process writes the checkpoint. Gloo on CPU, no GPU ne
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def test_two_processes_end_with_identical_weights(tmp_path):
         capture_output=True, text=True, env=environment, timeout=300,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
-    results = sorted(line.split()[1:] for line in completed.stdout.splitlines() if line.startswith("RESULT"))
+    # Anything else a rank prints (progress bars) may share a line with its result: find the results anywhere.
+    results = sorted(list(match) for match in re.findall(r"RESULT (\d+) (\d+) (\S+)", completed.stdout))
     assert [rank for rank, _, _ in results] == ["0", "1"]
     assert {world for _, world, _ in results} == {"2"}
     assert results[0][2] == results[1][2]  # the same weights on both ranks
