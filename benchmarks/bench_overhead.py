@@ -4,7 +4,8 @@ For a tiny random Llama and a random SmolLM2-135M-shaped Llama (hidden 576, 30 l
 3 KV heads, vocabulary 49,152), with an *untrained* head (1 draft layer), this runs greedy
 generation of ``--new-tokens`` tokens after random prompts of ``--prompt`` tokens, at batch sizes
 1, 4 and 16, first with plain ``target.generate()`` and then with
-``DSparkForCausalLM(target).generate(..., assistant=head)``, and records:
+``DSparkForCausalLM(target).generate(..., assistant=head, schedule=FixedLength())`` (every round
+drafts, so the machinery is measured, not the adaptive schedule stepping aside), and records:
 
 * ``plain_tok_s`` / ``dspark_tok_s``: new tokens (all rows) per second, and their ratio;
 * ``tau``: mean tokens committed per speculative step (an untrained head gives about 1);
@@ -35,7 +36,7 @@ import torch
 from _env import smollm2_shaped_config, write_results
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from spark_generate import DSparkForCausalLM
+from spark_generate import DSparkForCausalLM, FixedLength
 from spark_generate.heads import DSparkHead
 
 RESULTS = Path(__file__).parent / "results"
@@ -107,13 +108,17 @@ def run(model: str, batch_size: int, args: argparse.Namespace) -> Row:
     input_ids = torch.randint(1, target.config.vocab_size, (batch_size, args.prompt))
     kwargs = {"do_sample": False, "max_new_tokens": args.new_tokens}  # no EOS: every row runs to the end
     wrapped = DSparkForCausalLM(target)
-    wrapped.generate(input_ids[:, :8], assistant=head, max_new_tokens=4)  # warm-up of both paths
+    wrapped.generate(
+        input_ids[:, :8], assistant=head, schedule=FixedLength(), max_new_tokens=4
+    )  # warm-up of both paths
     target.generate(input_ids[:, :8], max_new_tokens=4)
 
     plain_seconds, plain_forwards, plain = fastest(lambda: target.generate(input_ids, **kwargs), timer, args.repeats)
     target_step = statistics.median(plain_forwards[1:])
     dspark_seconds, dspark_forwards, out = fastest(
-        lambda: wrapped.generate(input_ids, assistant=head, return_dict_in_generate=True, **kwargs),
+        lambda: wrapped.generate(
+            input_ids, assistant=head, schedule=FixedLength(), return_dict_in_generate=True, **kwargs
+        ),
         timer,
         args.repeats,
     )
