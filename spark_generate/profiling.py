@@ -48,7 +48,7 @@ def profile_costs(
     batch_size: int = 1,
     greedy: bool = True,
     context_length: int = 64,
-    repeats: int = 3,
+    repeats: int = 4,
     path: str | Path | None = None,
 ) -> CostTable:
     """Measures verification and drafting costs on this machine, optionally saving them as JSON.
@@ -126,12 +126,12 @@ def _profile_batch(
             )
 
         draft(context_length)  # fills the draft cache; a round then adds about one context row
+        widths = range(1, head.config.num_draft_tokens + 2)
+        verify(1)  # warm-up
+        # Repeats interleave the widths, so a slow or fast spell of the machine reaches all of them alike.
+        timings = [[_timed(functools.partial(verify, width)) for width in widths] for _ in range(repeats)]
         draft_seconds = min(_timed(functools.partial(draft, 1)) for _ in range(repeats))
-        num_drafts = head.config.num_draft_tokens
-        verify_seconds = [
-            min(_timed(functools.partial(verify, 1 + n)) for _ in range(repeats)) for n in range(num_drafts + 1)
-        ]
-    return verify_seconds, draft_seconds
+    return [min(column) for column in zip(*timings, strict=True)], draft_seconds
 
 
 def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool = True) -> CostTable:
