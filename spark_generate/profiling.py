@@ -1,8 +1,9 @@
 """Measuring what a round costs on this machine: the cost tables the schedules plan with.
 
-:func:`profile_costs` times, on random tokens, one target forward over ``R × w`` tokens for every
-block width ``w`` (and, for ``R > 1``, over ``w`` tokens of a single row, so that the table also
-covers the small batches left when rows finish), and one drafting round. :func:`cost_table_for`
+:func:`profile_costs` times, on random tokens, one verification (the target forward, then the
+greedy or sampled acceptance) over ``R × w`` tokens for every block width ``w`` (and, for
+``R > 1``, over ``w`` tokens of a single row, so that the table also covers the small batches left
+when rows finish), and one drafting round, in the sampling mode of the generation. :func:`cost_table_for`
 is what the default schedule uses: the table of this target, dtype, device, thread count, head and
 batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs`` (default
 ``~/.cache/spark_generate``), so that later generations plan identically (a seeded sampled
@@ -26,11 +27,12 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from spark_generate.cache import FeatureTap, target_forward
-from spark_generate.drafting import DraftContext, DraftRequest, HeadDrafter
+from spark_generate.drafting import DraftBlock, DraftContext, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
 from spark_generate.rows import RowPrefixes, Sampling
 from spark_generate.schedule import CostTable
+from spark_generate.verify import verify_block
 
 __all__ = ["cache_folder", "cost_table_for", "profile_costs"]
 
@@ -54,7 +56,8 @@ def profile_costs(
     """Measures verification and drafting costs on this machine, optionally saving them as JSON.
 
     Runs a prefill of random tokens, then times (best of ``repeats``) one draft round of
-    ``batch_size`` rows and target forwards over ``rows × (1 + n)`` tokens for ``n = 0 .. S``, with
+    ``batch_size`` rows and verifications (the target forward, then accepting greedily or by
+    rejection sampling, as the generation will) over ``rows × (1 + n)`` tokens for ``n = 0 .. S``, with
     ``rows = batch_size`` and, if larger than 1, ``rows = 1``, rolling the cache back each time.
     Verification costs are made non-decreasing in the token count (timing noise removed).
 
@@ -91,19 +94,35 @@ def profile_costs(
 def _profile_batch(
     model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool, context_length: int, repeats: int
 ) -> tuple[list[float], float]:
-    """Best-of-``repeats`` seconds of target forwards over widths ``1 .. S + 1``, and of one draft round."""
+    """Best-of-``repeats`` seconds of verifications over widths ``1 .. S + 1``, and of one draft round.
+
+    A verification is the target forward, then accepting as the generation will (greedily, or by
+    rejection sampling, which costs noticeably more per round on a CPU).
+    """
     device = next(model.parameters()).device
     input_ids = torch.randint(0, head.config.target_vocab_size, (batch_size, context_length), device=device)
     positions = torch.arange(context_length, device=device).expand(batch_size, -1)
+    anchor_positions = positions[:, -1] + 1
     cache, cache_kwarg = take_cache(model, {}), cache_kwarg_name(model)
+    sampling = Sampling(greedy=greedy, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
+    rows = torch.arange(batch_size, device=device)
+    prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
+    drafter = HeadDrafter(head)
+
+    def draft(num_new_rows: int) -> DraftBlock:
+        context = DraftContext(features[:, -num_new_rows:], positions[:, -num_new_rows:])
+        request = DraftRequest(input_ids[:, -1], anchor_positions, context, prefixes, sampling, LogitsProcessorList())
+        return drafter.draft(request)
 
     def verify(width: int) -> None:
         block_positions = positions[:, -1:] + 1 + torch.arange(width, device=device)
         mask = torch.ones(batch_size, context_length + width, dtype=torch.long, device=device)
-        target_forward(
+        target_logits = target_forward(
             model, input_ids[:, :width], cache=cache, cache_kwarg=cache_kwarg, attention_mask=mask,
             position_ids=block_positions, num_logits=width,
         )  # fmt: skip
+        num_verified = torch.full((batch_size,), width - 1, device=device)
+        verify_block(target_logits, block, num_verified, anchor_positions, LogitsProcessorList(), prefixes, sampling)
         tap.take()
         crop_cache(cache, context_length)
 
@@ -113,19 +132,7 @@ def _profile_batch(
             position_ids=positions, num_logits=1,
         )  # fmt: skip
         features = tap.take()
-        drafter = HeadDrafter(head)
-        sampling = Sampling(greedy=greedy, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
-        rows = torch.arange(batch_size, device=device)
-        prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
-
-        def draft(num_new_rows: int) -> None:
-            context = DraftContext(features[:, -num_new_rows:], positions[:, -num_new_rows:])
-            anchor_positions = positions[:, -1] + 1
-            drafter.draft(
-                DraftRequest(input_ids[:, -1], anchor_positions, context, prefixes, sampling, LogitsProcessorList())
-            )
-
-        draft(context_length)  # fills the draft cache; a round then adds about one context row
+        block = draft(context_length)  # fills the draft cache; a round then adds about one context row
         widths = range(1, head.config.num_draft_tokens + 2)
         verify(1)  # warm-up
         # Repeats interleave the widths, so a slow or fast spell of the machine reaches all of them alike.
