@@ -116,8 +116,6 @@ class DraftBlock:
 
     def target_probs(self, num_drafts: int, vocab_size: int) -> torch.Tensor:
         """``[B, num_drafts, V]`` the draft distributions of the first slots over the target vocabulary."""
-        if num_drafts == 0:  # a plain step: the bonus token is drawn from the target's distribution alone
-            return torch.zeros((len(self.token_ids), 0, vocab_size), device=self.token_ids.device)
         probs = self.probs[:, :num_drafts]
         if self.vocab_ids is None:
             return probs
