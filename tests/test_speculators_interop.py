@@ -70,6 +70,14 @@ def tiny_case(tmp_path: Path, name: str, architecture: str, **head_fields) -> Ca
     return Case(name, head, target, verifier)
 
 
+def feature_scaled_case(tmp_path: Path) -> Case:
+    """A head that trains fc on scaled features: saved, its fc.weight is the folded product."""
+    case = tiny_case(tmp_path, "feature-scaled", "llama")
+    scale = torch.rand(case.head.fc.in_features, generator=torch.Generator().manual_seed(3)) * 4 + 0.1
+    case.head.scale_target_features(scale)
+    return case
+
+
 def shipped_case() -> Case:
     """The shipped SmolLM2 head on its real target, both in float32 (the zoo target from PyPI)."""
     try:
@@ -201,6 +209,7 @@ def test_saved_tiny_heads_match_speculators(tmp_path):
             ),
             tiny_case(tmp_path, "no-markov", "mistral", markov_rank=0, confidence_head_with_markov=False),
             tiny_case(tmp_path, "gemma3", "gemma3", markov_head_type="rnn"),
+            feature_scaled_case(tmp_path),
         ],
     )
 

@@ -48,6 +48,7 @@ from transformers import PreTrainedModel
 from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads.backbone import DraftKVCache, DSparkDecoderLayer, block_attention_mask
 from spark_generate.heads.confidence import ConfidenceHead
+from spark_generate.heads.feature_scale import fc_input_scale, scale_fc_inputs
 from spark_generate.heads.hub_io import DSparkHubMixin
 from spark_generate.heads.markov import MarkovHead, MarkovStep
 from spark_generate.hf import Qwen3RMSNorm, Qwen3RotaryEmbedding
@@ -239,6 +240,23 @@ class DSparkHead(DSparkHubMixin):
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         with torch.no_grad():
             self.lm_head.weight.copy_(self._require_target().lm_head.weight[ids])
+
+    def scale_target_features(self, scale: torch.Tensor) -> None:
+        """Trains ``fc`` on features scaled per channel; saved heads hold the folded weight.
+
+        ``fc.weight`` becomes ``W · diag(scale)`` with ``W`` the current weight (see
+        :mod:`spark_generate.heads.feature_scale`): call it on an untrained head, with e.g. one over
+        each channel's RMS on the training data, before training.
+
+        Args:
+            scale: ``[m·H]`` finite positive scale of each tapped feature channel.
+        """
+        scale_fc_inputs(self.fc, scale)
+
+    @property
+    def target_feature_scale(self) -> torch.Tensor | None:
+        """``[m·H]`` the scale ``fc`` trains with (:meth:`scale_target_features`), or None."""
+        return fc_input_scale(self.fc)
 
     def _require_target(self) -> _TargetModules:
         if self._target is None:

@@ -23,6 +23,7 @@ from typing_extensions import Self
 from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads.card import render_model_card
 from spark_generate.heads.custom_generate import write_custom_generate
+from spark_generate.heads.feature_scale import export_state_dict
 from spark_generate.heads.formats import load_checkpoint, validate_state_dict
 
 
@@ -73,6 +74,7 @@ class DSparkHubMixin(PreTrainedModel):
             **kwargs: Passed to :meth:`transformers.PreTrainedModel.save_pretrained`.
         """
         card = model_card or self.model_card()
+        kwargs.setdefault("state_dict", export_state_dict(self))  # fc.weight folded with its feature scale
         super().save_pretrained(save_directory, **kwargs)
         card.save(Path(save_directory) / "README.md")
         if custom_generate:

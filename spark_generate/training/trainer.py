@@ -233,6 +233,11 @@ def _check_cache(cache: FeatureCache, target_sha256: str, head: DSparkHead, data
         )
 
 
+def _reparametrized(head: DSparkHead) -> dict[str, torch.Tensor]:
+    """The head's parametrisation entries (``fc``'s ``W`` and feature scale), which a saved head folds."""
+    return {name: tensor for name, tensor in head.state_dict().items() if ".parametrizations." in name}
+
+
 def anchor_generator(seed: int, process_index: int, micro_step: int) -> torch.Generator:
     """The CPU generator that draws the anchors of one micro-batch of one process."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + process_index) * 1_000_033 + micro_step) % 2**63)
@@ -388,6 +393,7 @@ class Trainer:
                     "step": step,
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
+                    "reparametrized": _reparametrized(self.head),
                 }
                 torch.save(state, temporary / TRAINER_STATE)
                 provenance = self._provenance(step, metrics)
@@ -428,6 +434,7 @@ class Trainer:
         try:
             state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
             step = int(state["step"])
+            reparametrized = state.get("reparametrized", {})
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         except Exception as error:
@@ -435,7 +442,17 @@ class Trainer:
                 f"{checkpoint / TRAINER_STATE} is missing or corrupt ({error!r}); expected the trainer state "
                 "written with the checkpoint. Resume from another checkpoint."
             ) from error
+        if set(reparametrized) != set(_reparametrized(self.head)):
+            scaled = "trained on scaled features" if reparametrized else "trained on raw features"
+            raise ValueError(
+                f"{checkpoint} was {scaled}, the head given to this trainer is not: resume with a head set up as "
+                "the run began (head.scale_target_features(scale) before the Trainer, or not), any scale."
+            )
+        own = self.head.state_dict()
         with torch.no_grad():
-            for name, tensor in loaded.state_dict().items():
-                self.head.state_dict()[name].copy_(tensor)
+            # The saved head holds the folded fc.weight; the trained parameters behind it (W and
+            # its scale) come from the trainer state, so a resumed run continues bit for bit.
+            for name, tensor in [*loaded.state_dict().items(), *reparametrized.items()]:
+                if name in own:
+                    own[name].copy_(tensor)
         return step
