@@ -10,8 +10,9 @@ target's logits at position ``p + k`` and has the ground-truth predecessor ``x_{
     labels                  x_{p+1}  x_{p+2} ... x_{p+S}  (S draft tokens)
 
 Anchors are drawn uniformly, without replacement, among positions ``p`` with ``loss_mask[p]`` and
-``loss_mask[p + 1]`` both set (the anchor and its first label lie in the answer); a row with fewer
-candidates than requested is padded with masked dummy anchors at position 0. One row holds one
+``loss_mask[p + 1]`` both set (the anchor and its first label lie in the answer); a batch holds no
+more anchors per row than its richest row has candidates, and a row with fewer is padded with
+masked dummy anchors at position 0. One row holds one
 document (the data pipeline never packs documents), so a block can never cross a document; it can
 not cross the end of the sequence either: a slot is supervised only while its label lies inside
 the row's length and in the loss mask, and only as a *contiguous prefix* of the block (the mask is
@@ -74,7 +75,8 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
     Args:
         loss_mask: ``[B, T]`` bool or 0/1, False on padding, prompts and anything not to learn.
-        num_anchors: ``N``, anchors per row; rows with fewer candidates get masked dummies.
+        num_anchors: Anchors per row at most; the batch gets ``N = min(num_anchors, c)``, ``c`` the
+            most candidates of any row, and rows with fewer than ``N`` get masked dummies.
         generator: A CPU generator; the draw depends only on its state and ``loss_mask``.
 
     Returns:
@@ -86,14 +88,11 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     # Random keys for candidates, +inf elsewhere: the N smallest keys are a uniform sample.
     keys = torch.rand(candidates.shape, generator=generator, dtype=torch.float64)
     keys = keys.masked_fill(~candidates, float("inf"))
-    width = min(num_anchors, candidates.shape[1])
+    # No more anchors than the richest row can fill: blocks of dummies would only cost compute.
+    width = max(1, min(num_anchors, int(candidates.sum(1).max())))
     chosen_keys, chosen = keys.topk(width, dim=1, largest=False)
     valid = chosen_keys.isfinite()
     positions = chosen.masked_fill(~valid, 0)
-    if width < num_anchors:
-        pad = torch.zeros(candidates.shape[0], num_anchors - width, dtype=torch.long)
-        positions = torch.cat([positions, pad], dim=1)
-        valid = torch.cat([valid, pad.bool()], dim=1)
     # Sort valid anchors by position, dummies last.
     order = positions.masked_fill(~valid, candidates.shape[1]).argsort(dim=1, stable=True)
     device = loss_mask.device
