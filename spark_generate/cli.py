@@ -207,10 +207,29 @@ def _train(args: argparse.Namespace) -> str:
         num_anchors=args.num_anchors, mixed_precision=args.mixed_precision, seed=args.seed,
         save_every=args.save_every,
     )  # fmt: skip
+    held_out = read_jsonl(args.eval_data) if args.eval_data else None
+    if held_out is not None:  # a bad file fails before training, not after
+        held_out.check_vocab(head.config.target_vocab_size)
     result = Trainer(head, target, dataset, config).train(resume_from=args.resume_from)
+    metrics = result.metrics
+    summary = (
+        f"train: {args.num_steps} steps, loss {result.loss:.4f}, checkpoint {result.checkpoint}; last step's "
+        f"training batch, teacher-forced, mean per block (not online tau): tau {metrics.tau:.3f} sampling at "
+        f"temperature 1, {metrics.greedy_tau:.3f} greedy"
+    )
+    if held_out is None:
+        return summary + "; pass --eval-data for the online tau predicted on held-out documents"
+    from spark_generate.training.evaluation import evaluate_teacher_forced_decoding
+
+    greedy = evaluate_teacher_forced_decoding(head, target, held_out)
+    temperature = DecodingSettings.temperature
+    sampled = evaluate_teacher_forced_decoding(head, target, held_out, do_sample=True, temperature=temperature)
     return (
-        f"train: {args.num_steps} steps, loss {result.loss:.4f}, teacher-forced tau {result.metrics.tau:.3f}, "
-        f"checkpoint {result.checkpoint}"
+        f"{summary}; online tau predicted from {args.eval_data} ({len(held_out)} documents, teacher-forced at every "
+        f"answer position and walked as decoding does): {greedy.tau:.3f} greedy (exact on the target's own greedy "
+        f"answers, `regenerate --greedy`), {sampled.tau:.3f} sampling at temperature {temperature:g} (an estimate, "
+        f"best on answers sampled at that temperature); compare `eval --greedy` and `eval --temperature "
+        f"{temperature:g}` on the same prompts"
     )
 
 
@@ -428,7 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = command(
         "train", "train a head on regenerated data",
         "Trains a DSpark head against the frozen target (hidden states computed on the fly). Works under "
-        "`accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json.",
+        "`accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json. The summary "
+        "gives the last step's teacher-forced tau (a mean per block on a training batch, with sampling's "
+        "acceptance 1 - TV and with greedy's), which is not online tau; with --eval-data it also predicts the "
+        "online tau of `eval`, greedy and sampled, from held-out documents.",
     )  # fmt: skip
     _add_target(train)
     train.add_argument("--data", required=True, help="JSONL documents from `regenerate`")
@@ -463,6 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )  # fmt: skip
     train.add_argument("--resume-from", help="checkpoint folder to resume from (bit-exact)")
+    train.add_argument(
+        "--eval-data",
+        help="held-out JSONL documents from `regenerate` (ideally --greedy): after training, predict online tau on "
+        "them, teacher-forced at every answer position (greedy, and sampling at temperature 1)",
+    )
     train.set_defaults(run=_train)
 
     calibrate = command(
@@ -483,8 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = command(
         "eval", "measure tau, acceptance and speedup on prompt sets",
         "Runs speculative decoding and plain generate() on each prompt file (one domain per file, batch size 1, "
-        "every draft verified) and reports tau, per-position acceptance, tokens/s and speedup, with the decoding "
-        "settings.", prompts=True,
+        "every draft verified) and reports tau (tokens per target forward, measured online), per-position "
+        "acceptance, tokens/s and speedup, with the decoding settings (sampling: temperature only, no top-k or "
+        "top-p).", prompts=True,
     )  # fmt: skip
     _add_target(evaluate)
     evaluate.add_argument("--head", required=True, help="the head (folder or Hub id)")

@@ -4,12 +4,27 @@ Teacher-forced metrics (:func:`evaluate_teacher_forced`) use the same blocks and
 training, without gradients, over every batch of a dataset in order. Online metrics
 (:func:`evaluate_online`) run real speculative decoding through
 :class:`~spark_generate.modeling.DSparkForCausalLM` on prompts and read the statistics the
-generation loop records: accepted length tau (bonus token included) and the conditional
-acceptance of every draft position.
+generation loop records: accepted length tau (bonus token included) and the acceptance rate of
+every draft position (the fraction of blocks verifying draft ``k`` that accept it, after all earlier
+drafts).
+
+**Which teacher-forced number predicts online tau.** ``TeacherForcedMetrics.tau`` is the mean over
+blocks of the accepted length expected when *sampling at temperature 1* (``1 − TV`` per slot); it is
+neither greedy (on a nearly flat random target it is near its maximum while greedy decoding accepts
+almost nothing: 5.8 against 1.05 for the same untrained head) nor tokens per round along a decoding path (see
+:mod:`~spark_generate.training.metrics`). :func:`evaluate_teacher_forced_decoding` is the number to
+compare with online tau: it runs the head teacher-forced at *every* answer position of held-out
+documents, with the acceptance definition of the decoding it stands for (greedy argmax agreement,
+or ``Σ min(p, q)`` of the temperature-scaled distributions over the target's full vocabulary), and
+walks the blocks as decoding does (:func:`~spark_generate.training.metrics.decoding_walk`). On the
+target's own greedy answers (``regenerate --greedy``) its greedy tau is online greedy tau on those
+prompts, up to argmax ties that float rounding breaks differently in the two passes.
 
 Online numbers depend on how the prompts are decoded, so every :class:`DomainReport` carries its
 :class:`DecodingSettings` (greedy or sampled, temperature, new tokens, seed, batch size and
-schedule), and its JSON record says how it was measured.
+schedule), and its JSON record says how it was measured. Sampling is temperature sampling only (no
+top-k or top-p from the model's generation config or ``generate()``'s defaults), and each prompt
+samples with its own seed drawn from the recorded one (:meth:`DecodingSettings.prompt_seed`).
 """
 
 from __future__ import annotations
@@ -26,10 +41,11 @@ from transformers import PreTrainedModel
 from spark_generate.heads import DSparkHead
 from spark_generate.modeling import DSparkForCausalLM
 from spark_generate.schedule import FixedLength
-from spark_generate.training.anchors import sample_anchors
+from spark_generate.training.anchors import AnchorBatch, block_targets, sample_anchors
 from spark_generate.training.data import TokenDataset
+from spark_generate.training.feature_cache import target_states
 from spark_generate.training.losses import LossWeights
-from spark_generate.training.metrics import TeacherForcedMetrics
+from spark_generate.training.metrics import DecodingWalk, TeacherForcedMetrics, decoding_walk
 from spark_generate.training.trainer import BlockModel, teacher_forced_step
 
 __all__ = [
@@ -39,6 +55,7 @@ __all__ = [
     "evaluate_domain",
     "evaluate_online",
     "evaluate_teacher_forced",
+    "evaluate_teacher_forced_decoding",
     "plot_domains",
 ]
 
@@ -54,13 +71,17 @@ class DecodingSettings:
 
     Measurements decode one prompt at a time and verify every draft of each block, so that tau and
     the per-position acceptance describe the head rather than a batch or a schedule; those two
-    choices are fixed and recorded as :attr:`batch_size` and :attr:`schedule`.
+    choices are fixed and recorded as :attr:`batch_size` and :attr:`schedule`. Sampling is plain
+    temperature sampling over the whole vocabulary, as recorded: :meth:`generate_kwargs` turns off
+    the top-k and top-p that ``generate()`` would otherwise take from the target's generation config
+    or its own default (``top_k=50``), which would truncate both the target's and the draft's
+    distributions and make the measurement depend on the model's config.
 
     Attributes:
         do_sample: Sample (else greedy decoding).
         max_new_tokens: Tokens generated per prompt.
         temperature: Sampling temperature; unused by greedy decoding.
-        seed: Sampling seed.
+        seed: Sampling seed; prompt ``i`` samples with its own seed :meth:`prompt_seed` ``(i)``.
     """
 
     do_sample: bool
@@ -70,11 +91,20 @@ class DecodingSettings:
     batch_size: ClassVar[int] = 1
     schedule: ClassVar[str] = "FixedLength() (every draft verified)"
 
+    def prompt_seed(self, index: int) -> int:
+        """The seed prompt ``index`` samples with, drawn from :attr:`seed` and the index.
+
+        Draws are keyed by seed and absolute position, so one seed for every prompt would give
+        prompts of equal length the same acceptance uniforms at every position: their acceptances
+        would be strongly correlated and a measured rate far noisier than its count suggests.
+        """
+        return ((self.seed * 1_000_003 + index) * 1_000_033) % 2**63
+
     def generate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``generate()`` that carry these settings (the seed excepted)."""
         kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
         if self.do_sample:
-            kwargs["temperature"] = self.temperature
+            kwargs.update(temperature=self.temperature, top_k=0, top_p=1.0)  # no truncation (class docstring)
         return kwargs
 
     def to_dict(self) -> dict[str, object]:
@@ -104,7 +134,8 @@ class OnlineMetrics:
 
     Attributes:
         tau: Mean tokens emitted per target forward (accepted drafts plus the bonus token).
-        acceptance_by_position: ``[S]`` conditional acceptance of each draft position.
+        acceptance_by_position: ``[S]`` acceptance rate of each draft position: among the blocks that
+            verify draft ``k``, the fraction that accept it (and so every earlier draft).
         num_rounds: Speculative steps taken over all prompts.
         num_new_tokens: Tokens generated over all prompts.
     """
@@ -161,6 +192,9 @@ def evaluate_teacher_forced(
 ) -> TeacherForcedMetrics:
     """Teacher-forced metrics of ``head`` over all documents of ``dataset``, in order.
 
+    These are means over blocks at random anchors (``tau`` for sampling at temperature 1); to
+    predict online tau use :func:`evaluate_teacher_forced_decoding`.
+
     Args:
         head: The head (attached to ``target`` here).
         target: The frozen target.
@@ -186,6 +220,107 @@ def evaluate_teacher_forced(
     return total
 
 
+def _answer_start(loss_mask: tuple[int, ...]) -> int:
+    """Index of a document's first answer token: its first loss-masked token, after at least one prompt token."""
+    first = next((index for index, flag in enumerate(loss_mask) if flag), len(loss_mask))
+    return max(first, 1)
+
+
+def _target_logits(target: PreTrainedModel, final_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's float32 logits over its full vocabulary at ``positions`` ``[1, N, S]`` of ``final_hidden``."""
+    logits = target.get_output_embeddings()(final_hidden[0, positions.flatten()]).float()
+    softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    if softcap is not None:  # the target's forward caps its logits (Gemma)
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.reshape(*positions.shape, -1)
+
+
+@torch.no_grad()
+def evaluate_teacher_forced_decoding(
+    head: DSparkHead,
+    target: PreTrainedModel,
+    dataset: TokenDataset,
+    *,
+    do_sample: bool = False,
+    temperature: float = DecodingSettings.temperature,
+    anchors_per_pass: int = 16,
+) -> DecodingWalk:
+    """Online tau predicted from one teacher-forced pass per document: blocks at every answer position, walked.
+
+    Each document is a prompt (tokens before the first loss-masked one) and its answer (the rest).
+    The head drafts a block at every answer position, teacher-forced on the document; each slot's
+    acceptance is what verification would decide there: for greedy decoding whether the draft's
+    argmax (mapped to a target id) is the target's argmax over its full vocabulary; for sampling
+    ``Σ_v min(p(v), q(v))`` with both distributions at ``temperature`` and the draft's reduced
+    vocabulary placed in the target's (no renormalization: target mass outside the draft vocabulary
+    is never accepted). The blocks are then walked as decoding with every draft verified does, with
+    ``max_new_tokens`` the answer's length (:func:`~spark_generate.training.metrics.decoding_walk`).
+
+    The result compares with :func:`evaluate_online` on the documents' prompts (``max_new_tokens`` the
+    answers' length, same ``do_sample`` and ``temperature``). It is exact for greedy decoding when the
+    answers are the target's own greedy continuations (decoding then visits exactly these contexts),
+    up to argmax near-ties that the two computations round differently; for sampling, and for answers
+    the target did not write, it is an estimate along the documents' tokens.
+
+    Args:
+        head: The head (attached to ``target`` here).
+        target: The frozen target.
+        dataset: Held-out documents, ideally regenerated by ``target``.
+        do_sample: The acceptance of sampling (else greedy).
+        temperature: Sampling temperature (unused when greedy).
+        anchors_per_pass: Blocks per head pass (bounds memory: ``anchors_per_pass × S × V`` logits).
+
+    Returns:
+        The expected rounds and per-position counts, summed over documents; ``tau`` and
+        ``acceptance_by_position`` read as :class:`OnlineMetrics`'.
+    """
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature={temperature}: expected a positive sampling temperature.")
+    if anchors_per_pass < 1:
+        raise ValueError(f"anchors_per_pass={anchors_per_pass}: expected at least 1 block per pass.")
+    head.attach(target)
+    dataset.check_vocab(head.config.target_vocab_size)
+    was_training = head.training
+    head.eval()
+    model = BlockModel(head)
+    config = head.config
+    device = head.fc.weight.device
+    num_slots = config.num_draft_tokens
+    zeros = torch.zeros(num_slots, dtype=torch.float64)
+    total = DecodingWalk(0.0, zeros, zeros, 0)
+    for index in range(len(dataset)):
+        sequence, loss_mask = dataset.sequences[index], dataset.loss_masks[index]
+        start = _answer_start(loss_mask)
+        if len(sequence) - start < 2:  # no round to take: the prefill's token is the whole answer
+            continue
+        input_ids = torch.tensor([sequence], device=device)
+        states = target_states(target, list(config.target_layer_ids), input_ids, torch.ones_like(input_ids), device)
+        acceptance = []
+        for first in range(start, len(sequence) - 1, anchors_per_pass):
+            positions = torch.arange(first, min(first + anchors_per_pass, len(sequence) - 1), device=device)[None]
+            anchors = AnchorBatch(positions, torch.ones_like(positions, dtype=torch.bool))
+            blocks = block_targets(
+                input_ids, torch.ones_like(input_ids), anchors, block_size=config.block_size,
+                num_draft_tokens=num_slots, mask_token_id=config.mask_token_id,
+            )  # fmt: skip
+            draft_logits, _ = model(blocks.block_input_ids, anchors.positions, states.features, blocks.prev_ids)
+            target_logits = _target_logits(target, states.final_hidden, blocks.logit_positions)
+            draft_logits = draft_logits.float()
+            if do_sample:
+                p = torch.softmax(target_logits / temperature, dim=-1)
+                q = torch.softmax(draft_logits / temperature, dim=-1)
+                draft_ids = torch.arange(q.shape[-1], device=device)
+                p_on_draft = p[..., head.draft_to_target_ids(draft_ids)]  # the target's mass on the draft's tokens
+                slot_acceptance = torch.minimum(p_on_draft, q).sum(-1)
+            else:
+                drafted = head.draft_to_target_ids(draft_logits.argmax(-1))
+                slot_acceptance = (drafted == target_logits.argmax(-1)).double()
+            acceptance.append(slot_acceptance[0].double().cpu())
+        total = total + decoding_walk(torch.cat(acceptance))
+    head.train(was_training)
+    return total
+
+
 @torch.no_grad()
 def evaluate_online(
     head: DSparkHead,
@@ -207,7 +342,7 @@ def evaluate_online(
         max_new_tokens: Tokens to generate per prompt.
         do_sample: Sample instead of greedy decoding.
         temperature: Sampling temperature (unused when greedy).
-        seed: Seed of the sampling.
+        seed: Seed of the sampling (prompt ``i`` samples with ``DecodingSettings.prompt_seed(i)``).
         progress: Label of a tqdm progress bar over the prompts (on stderr); None shows no bar.
     """
     if not prompts:
@@ -219,13 +354,13 @@ def evaluate_online(
     device = head.fc.weight.device
     accepted = verified = None
     num_rounds = num_accepted = num_new_tokens = 0
-    for prompt in tqdm(prompts, desc=progress, unit="prompt", disable=progress is None):
+    for index, prompt in enumerate(tqdm(prompts, desc=progress, unit="prompt", disable=progress is None)):
         output = model.generate(
             input_ids=torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             assistant=head,
             schedule=FixedLength(),
-            seed=seed,
+            seed=settings.prompt_seed(index),
             return_dict_in_generate=True,
             **settings.generate_kwargs(),
         )
@@ -282,8 +417,8 @@ def evaluate_domain(
     baseline_tokens = 0
     start = time.perf_counter()
     baseline_label = None if progress is None else f"{progress}: plain generate()"
-    for prompt in tqdm(prompts, desc=baseline_label, unit="prompt", disable=progress is None):
-        torch.manual_seed(seed)
+    for index, prompt in enumerate(tqdm(prompts, desc=baseline_label, unit="prompt", disable=progress is None)):
+        torch.manual_seed(settings.prompt_seed(index))
         output = target.generate(
             input_ids=torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
@@ -308,7 +443,7 @@ def plot_domains(reports: dict[str, DomainReport], path: str | Path) -> None:
         positions = range(1, len(report.online.acceptance_by_position) + 1)
         curves.plot(positions, report.online.acceptance_by_position, marker="o", label=name)
     curves.set_xlabel("draft position")
-    curves.set_ylabel("conditional acceptance")
+    curves.set_ylabel("acceptance rate")
     curves.set_ylim(0, 1)
     curves.legend()
     bars.bar(list(reports), [report.online.tau for report in reports.values()])
