@@ -207,13 +207,16 @@ def plot(rows: list[dict[str, str]], floor: float, path: Path) -> None:
         mine = [row for row in rows if row["arm"] == arm]
         steps = [int(row["step"]) for row in mine]
         axes[0].plot(steps, [float(row["greedy_accuracy_0"]) for row in mine], marker="o", ms=3, label=arm)
-        axes[1].plot(steps, [float(row["tau"]) for row in mine], marker="o", ms=3, label=arm)
+        line = axes[1].plot(steps, [float(row["tau"]) for row in mine], marker="o", ms=3, label=f"{arm} (1 - TV)")
+        axes[1].plot(steps, [float(row["greedy_tau"]) for row in mine], linestyle="--", color=line[0].get_color(),
+                     label=f"{arm} (greedy)")  # fmt: skip
         last = mine[-1]
         slots = [key for key in last if key.startswith("acceptance_")]
         axes[2].plot(range(1, len(slots) + 1), [float(last[key]) for key in slots], marker="o", label=arm)
     axes[0].axhline(floor, color="gray", linestyle="--", label=f"bigram floor ({floor:.2f})")
     axes[0].set(xlabel="optimizer step", ylabel="first-slot greedy accuracy (held out)", ylim=(0, 1))
-    axes[1].set(xlabel="optimizer step", ylabel="teacher-forced tau (held out)")
+    axes[1].set(xlabel="optimizer step", ylabel="teacher-forced tau per block (held out)")
+    axes[1].legend(fontsize=6)
     axes[2].set(xlabel="draft slot", ylabel="acceptance 1 - TV at the last step", ylim=(0, 1))
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
@@ -274,7 +277,7 @@ def main() -> None:
 
     def writer(arm: str, step: int, seconds: float, loss: float, metrics: TeacherForcedMetrics) -> None:
         row = {"arm": arm, "step": step, "train_seconds": round(seconds, 1), "train_loss": round(loss, 4),
-               "tau": round(metrics.tau, 4)}  # fmt: skip
+               "tau": round(metrics.tau, 4), "greedy_tau": round(metrics.greedy_tau, 4)}  # fmt: skip
         row.update({f"greedy_accuracy_{k}": round(v, 4) for k, v in enumerate(metrics.greedy_accuracy.tolist())})
         row.update({f"acceptance_{k}": round(v, 4) for k, v in enumerate(metrics.acceptance.tolist())})
         new_file = not curves.exists()
@@ -284,7 +287,10 @@ def main() -> None:
                 out.writeheader()
             out.writerow(row)
         done.add((arm, step))
-        print(f"{arm} step {step}: tau {metrics.tau:.3f}, first-slot greedy {metrics.greedy_accuracy[0]:.3f}")
+        print(
+            f"{arm} step {step}: tau {metrics.tau:.3f}, greedy tau {metrics.greedy_tau:.3f}, "
+            f"first-slot greedy {metrics.greedy_accuracy[0]:.3f}"
+        )
 
     for name in args.arms.split(","):
         if not run_arm(name, args, target, train, heldout, caches, writer, done, deadline):

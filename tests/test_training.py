@@ -97,7 +97,8 @@ def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     assert provenance["loss_divergences"]["distribution_term"].startswith("l1")
     assert {"torch", "transformers", "accelerate"} <= set(provenance["packages"])
     assert provenance["training"]["learning_rate"] == 6e-4 and "argv" in provenance and "git_commit" in provenance
-    assert set(provenance["teacher_forced_metrics"]) == {"tau", "acceptance", "greedy_accuracy", "confidence_error"}
+    metric_names = {"tau", "greedy_tau", "acceptance", "greedy_accuracy", "confidence_error"}
+    assert set(provenance["teacher_forced_metrics"]) == metric_names
     loaded = DSparkHead.from_pretrained(result.checkpoint)
     assert loaded.config.block_size == 3
 

@@ -113,6 +113,7 @@ class TeacherForcedMetrics:
         """Plain numbers, for logs and JSON."""
         return {
             "tau": self.tau,
+            "greedy_tau": self.greedy_tau,
             "acceptance": self.acceptance.tolist(),
             "greedy_accuracy": self.greedy_accuracy.tolist(),
             "confidence_error": self.confidence_error,
