@@ -89,6 +89,8 @@ ARMS = {
     "channel-anchors32": Arm(scale="channel", training={"num_anchors": 32}),
     "channel-anchors512": Arm(scale="channel", training={"num_anchors": 512}),
     "channel-ce": Arm(scale="channel", training={"loss_weights": LossWeights(ce=1.0, l1=0.0)}),
+    "channel-kl": Arm(scale="channel", training={"loss_weights": LossWeights(ce=0.0, l1=0.0, kl=1.0)}),
+    "channel-kl-l1": Arm(scale="channel", training={"loss_weights": LossWeights(ce=0.0, l1=0.5, kl=0.5)}),
     "channel-vocab16k": Arm(scale="channel", head={"draft_vocab_size": 16384}),
     "channel-dflash": Arm(scale="channel", head={"markov_rank": 0, "enable_confidence_head": False}),
 }

@@ -38,6 +38,19 @@ def test_loss_terms_match_hand_computation_with_both_slots_supervised():
     torch.testing.assert_close(terms.acceptance, torch.tensor([[0.75, 0.75]]))
 
 
+def test_the_distillation_term_is_the_forward_kl_by_hand():
+    draft, confidence, target, labels = two_slot_block()
+    weights = LossWeights(ce=0.0, l1=0.0, confidence=0.0, kl=1.0)
+    terms = dspark_loss(draft, confidence, target, labels, torch.tensor([[True, True]]), weights)
+    # KL(p ‖ q): slot 0 p = (3/4, 1/4), q = (1/2, 1/2); slot 1 p = (1/2, 1/2), q = (3/4, 1/4).
+    slot0 = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    slot1 = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    kl = (slot0 + W1 * slot1) / (1 + W1)
+    assert terms.kl.item() == pytest.approx(kl, rel=1e-6)
+    assert terms.total.item() == pytest.approx(kl, rel=1e-6)
+    assert dspark_loss(draft, confidence, target, labels, torch.tensor([[True, True]])).kl.item() == 0.0  # off
+
+
 def test_masked_slots_leave_the_loss():
     draft, confidence, target, labels = two_slot_block()
     terms = dspark_loss(draft, confidence, target, labels, torch.tensor([[True, False]]))

@@ -9,6 +9,9 @@ target logits ``t_k``, confidence logit ``z_k`` and slot mask ``m_k``::
     L_conf = Σ w_k m_k BCE(z_k, c*_k)                 / Σ w_k m_k,   c*_k = 1 − TV_k (detached)
     L      = 0.1 L_ce + 0.9 L_l1 + 1.0 L_conf
 
+and, off by default, a distillation term ``L_kl = Σ w_k m_k KL(softmax(t_k) ‖ softmax(ℓ_k)) / Σ w_k m_k``
+(the forward KL of EAGLE-style drafters) with weight ``α_kl``.
+
 Divergences chosen (published implementations read each of them in two ways):
 
 * distribution term: the full **L1** norm (``= 2·TV``), as DeepSpec and the paper, not
@@ -47,12 +50,14 @@ class LossWeights:
         l1: ``α_l1``.
         confidence: ``α_conf``.
         decay: ``γ`` of the position weights ``exp(-k / γ)``.
+        kl: ``α_kl``, the forward KL from the target's distribution (0: the paper's objective).
     """
 
     ce: float = 0.1
     l1: float = 0.9
     confidence: float = 1.0
     decay: float = 4.0
+    kl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class LossTerms:
         l1: Weighted L1 distance between the draft and target distributions.
         confidence: Weighted BCE of the confidence logits (0 without a confidence head).
         acceptance: ``[*, S]`` detached ``1 − TV_k``, the analytic acceptance of every slot.
+        kl: Weighted forward KL (0 when its weight is 0: then it is not computed).
     """
 
     total: torch.Tensor
@@ -72,6 +78,7 @@ class LossTerms:
     l1: torch.Tensor
     confidence: torch.Tensor
     acceptance: torch.Tensor
+    kl: torch.Tensor
 
 
 def position_weights(num_draft_tokens: int, decay: float, device: torch.device | None = None) -> torch.Tensor:
@@ -119,9 +126,15 @@ def dspark_loss(
     ce_term = (ce_weights * ce).sum() / ce_weights.sum().clamp(min=1e-12)
     l1_term = (slot_weights * l1).sum() / denominator
     total = weights.ce * ce_term + weights.l1 * l1_term
+    kl_term = total.new_zeros(())
+    if weights.kl:
+        log_p = F.log_softmax(target_logits.float(), dim=-1)
+        kl = (p * (log_p - log_q)).sum(-1)  # [*, S]
+        kl_term = (slot_weights * kl).sum() / denominator
+        total = total + weights.kl * kl_term
     confidence_term = total.new_zeros(())
     if confidence_logits is not None:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), acceptance, reduction="none")
         confidence_term = (slot_weights * bce).sum() / denominator
         total = total + weights.confidence * confidence_term
-    return LossTerms(total, ce_term.detach(), l1_term.detach(), confidence_term.detach(), acceptance)
+    return LossTerms(total, ce_term.detach(), l1_term.detach(), confidence_term.detach(), acceptance, kl_term.detach())
