@@ -83,6 +83,31 @@ def test_resume_reaches_bit_identical_weights(tmp_path):
         assert torch.equal(value, resumed.state_dict()[name]), name
 
 
+def test_a_run_stopped_by_its_time_budget_resumes_bit_for_bit(tmp_path, monkeypatch):
+    straight_target = tiny_target()
+    straight = tiny_head(straight_target)
+    Trainer(straight, straight_target, dataset(), settings(tmp_path / "straight")).train()
+
+    class FakeClock:  # every reading is a minute later
+        now = 0.0
+
+        def monotonic(self) -> float:
+            self.now += 60.0
+            return self.now
+
+    monkeypatch.setattr(trainer_module, "time", FakeClock())
+    target = tiny_target()
+    checkpoint, steps = None, []
+    while not steps or steps[-1] < 4:
+        head = tiny_head(target)
+        result = Trainer(head, target, dataset(), settings(tmp_path / "budget")).train(checkpoint, max_minutes=1.5)
+        checkpoint = result.checkpoint
+        steps.append(int(checkpoint.name.split("-")[1]))
+    assert steps == [2, 4]  # budget read at 1 min, deadline 2.5 min: passed after the second step (3 min)
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, head.state_dict()[name]), name
+
+
 def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     target = tiny_target()
     result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=2, save_every=1)).train()

@@ -37,6 +37,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +239,12 @@ def _reparametrized(head: DSparkHead) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in head.state_dict().items() if ".parametrizations." in name}
 
 
+def _all_past(deadline: float, accelerator: Accelerator) -> bool:
+    """Whether any process is past ``deadline``: every process gets the same answer, so they stop together."""
+    past = torch.tensor([float(time.monotonic() > deadline)], device=accelerator.device)
+    return bool(accelerator.reduce(past, reduction="max").item()) if accelerator.num_processes > 1 else bool(past)
+
+
 def anchor_generator(seed: int, process_index: int, micro_step: int) -> torch.Generator:
     """The CPU generator that draws the anchors of one micro-batch of one process."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + process_index) * 1_000_033 + micro_step) % 2**63)
@@ -316,17 +323,25 @@ class Trainer:
             _check_cache(feature_cache, self._target_identity["weights_sha256"], head, dataset)
         self.feature_cache = feature_cache
 
-    def train(self, resume_from: str | os.PathLike | None = None, stop_after: int | None = None) -> TrainResult:
+    def train(
+        self,
+        resume_from: str | os.PathLike | None = None,
+        stop_after: int | None = None,
+        max_minutes: float | None = None,
+    ) -> TrainResult:
         """Runs the optimizer steps, from scratch or from a checkpoint.
 
         Args:
             resume_from: A ``checkpoint-*`` folder written by this trainer.
             stop_after: Stop (with a checkpoint) after this many steps in total, e.g. to split a run.
+            max_minutes: Stop (with a checkpoint) after the step during which this much time has
+                passed; resuming from that checkpoint continues the run bit for bit.
 
         Returns:
             The last checkpoint and the last step's loss and metrics.
         """
         config, accelerator = self.config, self.accelerator
+        deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
         step = 0 if resume_from is None else self._load(Path(resume_from))
         last_step = config.num_steps if stop_after is None else min(stop_after, config.num_steps)
         progress = tqdm(
@@ -338,6 +353,8 @@ class Trainer:
             step += 1
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.3f}", tau=f"{metrics.tau:.2f}", acc0=f"{metrics.acceptance[0]:.2f}")
+            if deadline is not None and _all_past(deadline, accelerator):
+                last_step = step
             if step == last_step or (config.save_every and step % config.save_every == 0):
                 checkpoint = self.save(step, metrics)
         progress.close()
