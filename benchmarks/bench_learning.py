@@ -7,8 +7,9 @@ target's?), per-slot acceptance ``1 - TV`` and tau. The floor is a bigram model 
 answers: the most frequent next token after each token, scored against the held-out answers.
 
 The data is the on-policy corpus of ``spark-generate regenerate`` (the target's own greedy answers,
-so the data token after position ``p`` is the target's argmax there). The last ``--heldout``
-documents of the file are held out; training uses the first ``--train`` documents.
+so the data token after position ``p`` is the target's argmax there). ``--heldout`` documents are
+held out (``--split``: by prompt index, all domains alike, or the file's last ones);
+training uses the first ``--train`` of the others.
 
 Arms (``--arms``, comma-separated; ``--list`` prints them) differ from ``baseline``, the shipped
 head's recipe, in one choice each unless named otherwise: how the tapped features are scaled
@@ -88,6 +89,7 @@ ARMS = {
     "channel-3layers": Arm(scale="channel", head={"num_draft_layers": 3}),
     "channel-anchors32": Arm(scale="channel", training={"num_anchors": 32}),
     "channel-anchors512": Arm(scale="channel", training={"num_anchors": 512}),
+    "channel-docs8x32": Arm(scale="channel", training={"batch_size": 8, "num_anchors": 32}),  # same blocks/step
     "channel-ce": Arm(scale="channel", training={"loss_weights": LossWeights(ce=1.0, l1=0.0)}),
     "channel-kl": Arm(scale="channel", training={"loss_weights": LossWeights(ce=0.0, l1=0.0, kl=1.0)}),
     "channel-kl-l1": Arm(scale="channel", training={"loss_weights": LossWeights(ce=0.0, l1=0.5, kl=0.5)}),
@@ -96,13 +98,37 @@ ARMS = {
 }
 
 
-def subset(dataset: TokenDataset, indices: range, name: str) -> TokenDataset:
-    """Documents ``indices`` of ``dataset`` as a dataset of their own (its own feature cache)."""
+def subset(dataset: TokenDataset, indices: list[int], name: str) -> TokenDataset:
+    """Documents ``indices`` (file order) of ``dataset`` as a dataset of their own (its own feature cache)."""
     return TokenDataset(
         tuple(dataset.sequences[i] for i in indices),
         tuple(dataset.loss_masks[i] for i in indices),
-        f"{dataset.description}, {name} documents {indices.start} to {indices.stop - 1}",
+        f"{dataset.description}, {len(indices)} {name} documents from file line {indices[0] + 1}",
     )
+
+
+def split(path: Path, data: TokenDataset, how: str, num_train: int, num_heldout: int) -> tuple[list[int], list[int]]:
+    """File positions of the training and held-out documents.
+
+    ``last``: the last ``num_heldout`` documents of the file are held out (regeneration writes
+    length-sorted windows, so they are the longest prompts of the last window: mostly one kind of
+    task). ``stride``: the documents whose prompt index is ``63 mod 64`` are held out, as
+    ``examples/train_smollm2_head.py`` holds them out (all domains alike). Training takes the first
+    ``num_train`` documents of the rest.
+    """
+    if how == "last":
+        heldout = list(range(len(data) - num_heldout, len(data)))
+    else:
+        prompt_indices = [json.loads(line)["index"] for line in path.read_text().splitlines() if line.strip()]
+        heldout = [position for position, index in enumerate(prompt_indices) if index % 64 == 63][:num_heldout]
+    chosen = set(heldout)
+    train = [position for position in range(len(data)) if position not in chosen][:num_train]
+    if len(train) < num_train or len(heldout) < num_heldout:
+        raise SystemExit(
+            f"{path} holds {len(train)} training and {len(heldout)} held-out documents for --split {how}: fewer "
+            f"than --train {num_train} and --heldout {num_heldout}. Regenerate more, or ask for fewer."
+        )
+    return train, heldout
 
 
 def bigram_accuracy(train: TokenDataset, heldout: TokenDataset) -> float:
@@ -232,7 +258,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="on-policy JSONL (regenerate's output)")
     parser.add_argument("--train", type=int, default=1024, help="training documents (the first of the file)")
-    parser.add_argument("--heldout", type=int, default=64, help="held-out documents (the last of the file)")
+    parser.add_argument("--heldout", type=int, default=64, help="held-out documents")
+    parser.add_argument("--split", choices=["stride", "last"], default="stride",
+                        help="held out: prompt index 63 mod 64 (stride), or the file's last documents")  # fmt: skip
     parser.add_argument("--arms", default="baseline,channel", help="comma-separated arm names")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per arm")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
@@ -254,15 +282,15 @@ def main() -> None:
     target, tokenizer = zoo.load(TARGET)
     target.requires_grad_(False)
     data = read_jsonl(args.data)
-    if len(data) < args.train + args.heldout:
-        raise SystemExit(f"{args.data} holds {len(data)} documents: fewer than --train + --heldout.")
-    train = subset(data, range(args.train), "training")
-    heldout = subset(data, range(len(data) - args.heldout, len(data)), "held-out")
+    train_positions, heldout_positions = split(args.data, data, args.split, args.train, args.heldout)
+    train = subset(data, train_positions, "training")
+    heldout = subset(data, heldout_positions, "held-out")
     layer_ids = list(DSparkHead.from_target(target, **BASELINE_HEAD).config.target_layer_ids)
     args.workdir.mkdir(parents=True, exist_ok=True)
     caches = {}
     for name, documents in (("train", train), ("heldout", heldout)):
-        folder = args.workdir / f"features-{name}-{args.train}-{args.heldout}"
+        suffix = "" if args.split == "last" else f"-{args.split}"
+        folder = args.workdir / f"features-{name}-{args.train}-{args.heldout}{suffix}"
         build = build_feature_cache(folder, target, tokenizer, documents, layer_ids, max_minutes=args.max_minutes)
         if not build.complete:
             raise SystemExit(f"the {name} feature cache is not finished yet: run the same command again.")
@@ -301,7 +329,7 @@ def main() -> None:
     with curves.open() as file:
         rows = [row for row in csv.DictReader(file) if row["arm"] in args.arms.split(",")]
     notes = [
-        f"data: {args.data.name}, {args.train} training and {args.heldout} held-out documents",
+        f"data: {args.data.name}, {args.train} training and {args.heldout} held-out documents (--split {args.split})",
         f"{args.steps} steps per arm; baseline head {BASELINE_HEAD}, training {BASELINE_TRAINING}",
         f"bigram floor (first-slot greedy accuracy, held out): {floor:.4f}",
     ]

