@@ -109,3 +109,20 @@ def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tm
     assert set(json.loads(path.read_text())) >= {"temperatures", "ece_before", "ece_after", "brier_before"}
     plot_reliability(data, result, tmp_path / "reliability.png")
     assert (tmp_path / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_prompt_samples_with_its_own_seed():
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    torch.manual_seed(1)
+    head = DSparkHead.from_target(target, num_draft_layers=1, markov_rank=4, block_size=3, mask_token_id=0).eval()
+    prompt = torch.randint(2, 32, (6,), generator=torch.Generator().manual_seed(0)).tolist()
+    alone = collect_calibration_data(head, target, [prompt], max_new_tokens=40).num_accepted
+    twice = collect_calibration_data(head, target, [prompt, prompt], max_new_tokens=40).num_accepted
+    assert torch.equal(twice[: len(alone)], alone)  # the first prompt samples as it does alone
+    # One seed for both would replay the same draws: the second copy would give the same record.
+    assert not torch.equal(twice[len(alone) :], alone)

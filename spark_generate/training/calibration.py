@@ -255,7 +255,7 @@ def collect_calibration_data(
         max_new_tokens: Tokens per prompt.
         do_sample: Sample (else decode greedily).
         temperature: Sampling temperature (unused when greedy).
-        seed: Sampling seed.
+        seed: Sampling seed; prompt ``i`` samples with ``DecodingSettings.prompt_seed(i)``.
         progress: Label of a tqdm progress bar over the prompts (on stderr); None shows no bar.
     """
     if not prompts:
@@ -265,12 +265,15 @@ def collect_calibration_data(
     num_slots = head.config.num_draft_tokens
     settings = DecodingSettings(do_sample=do_sample, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     logits, accepted = [], []
-    for prompt in tqdm(prompts, desc=progress, unit="prompt", disable=progress is None):
+    for index, prompt in enumerate(tqdm(prompts, desc=progress, unit="prompt", disable=progress is None)):
         schedule, counter = _RecordingSchedule(), _ChunkCounter()
+        # Each prompt samples with its own seed: one seed for all would give prompts of equal
+        # length the same uniforms at every position, and correlated acceptances.
         model.generate(
             input_ids=torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-            assistant=head, schedule=schedule, streamer=counter, seed=seed, **settings.generate_kwargs(),
+            assistant=head, schedule=schedule, streamer=counter, seed=settings.prompt_seed(index),
+            **settings.generate_kwargs(),
         )  # fmt: skip
         generated = 0
         for step_logits, size in zip(schedule.logits, counter.sizes, strict=False):
