@@ -296,6 +296,12 @@ def main() -> None:
     if wanted("regenerate") and not stage_regenerate(target, tokenizer, args.max_minutes):
         raise SystemExit("regeneration stopped at its budget: run the same command again to continue.")
     parts = split_corpus()
+    num_documents = sum(len(part) for part in parts.values())
+    num_prompts = len(prompt_sets.mixed_training_prompts())
+    if num_documents < num_prompts:  # a cache of part of the corpus would not serve the whole one
+        raise SystemExit(
+            f"the corpus holds {num_documents} of {num_prompts} answers: run --stage regenerate until it is done."
+        )
     if wanted("cache") and not stage_cache(workdir, target, tokenizer, parts["train"], args.max_minutes):
         raise SystemExit("the feature cache stopped at its budget: run the same command again to continue.")
     for variant in variants:
