@@ -33,6 +33,7 @@ import collections
 import csv
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,9 +214,7 @@ def run_arm(name: str, args, target, train, heldout, caches, writer, done: set, 
         (checkpoint / "wall.json").write_text(json.dumps({"seconds": seconds}))
         for old in output.glob("checkpoint-*"):
             if old != checkpoint:
-                for file in sorted(old.rglob("*"), reverse=True):
-                    file.unlink() if file.is_file() else file.rmdir()
-                old.rmdir()
+                shutil.rmtree(old)
         writer(name, step, seconds, result.loss, evaluate(trainer, heldout, caches["heldout"]))
         bar.update(stop - bar.n)
     bar.close()

@@ -86,7 +86,8 @@ def test_no_steps_is_a_clear_error():
         fit_sts(CalibrationData(torch.zeros(0, 3, dtype=torch.float64), torch.zeros(0, dtype=torch.long)))
 
 
-def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tmp_path):
+def tiny_target_and_head() -> tuple[LlamaForCausalLM, DSparkHead]:
+    """A random 3-layer Llama over 32 tokens and an untrained head with blocks of 3."""
     config = LlamaConfig(
         vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None,
@@ -95,6 +96,11 @@ def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tm
     target = LlamaForCausalLM(config).eval()
     torch.manual_seed(1)
     head = DSparkHead.from_target(target, num_draft_layers=1, markov_rank=4, block_size=3, mask_token_id=0).eval()
+    return target, head
+
+
+def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tmp_path):
+    target, head = tiny_target_and_head()
     with torch.no_grad():  # deliberately overconfident: logits around +6 for drafts that often fail
         head.confidence_head.proj.weight.mul_(20)
         head.confidence_head.proj.bias.fill_(6.0)
@@ -112,14 +118,7 @@ def test_calibration_on_real_decoding_lowers_ece_and_writes_the_schedule_file(tm
 
 
 def test_each_prompt_samples_with_its_own_seed():
-    config = LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(config).eval()
-    torch.manual_seed(1)
-    head = DSparkHead.from_target(target, num_draft_layers=1, markov_rank=4, block_size=3, mask_token_id=0).eval()
+    target, head = tiny_target_and_head()
     prompt = torch.randint(2, 32, (6,), generator=torch.Generator().manual_seed(0)).tolist()
     alone = collect_calibration_data(head, target, [prompt], max_new_tokens=40).num_accepted
     twice = collect_calibration_data(head, target, [prompt, prompt], max_new_tokens=40).num_accepted

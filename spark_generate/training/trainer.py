@@ -241,8 +241,10 @@ def _reparametrized(head: DSparkHead) -> dict[str, torch.Tensor]:
 
 def _all_past(deadline: float, accelerator: Accelerator) -> bool:
     """Whether any process is past ``deadline``: every process gets the same answer, so they stop together."""
-    past = torch.tensor([float(time.monotonic() > deadline)], device=accelerator.device)
-    return bool(accelerator.reduce(past, reduction="max").item()) if accelerator.num_processes > 1 else bool(past)
+    past = time.monotonic() > deadline
+    if accelerator.num_processes == 1:
+        return past
+    return bool(accelerator.reduce(torch.tensor([float(past)], device=accelerator.device), reduction="max").item())
 
 
 def anchor_generator(seed: int, process_index: int, micro_step: int) -> torch.Generator:
