@@ -104,16 +104,31 @@ def philox_offsets(positions: torch.Tensor, stream: RandomStream, token_ids: tor
 def _philox_words(
     seeds: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four 32-bit output words of Philox4x32-10, as Triton's ``randint4x(seed, offset)``.
+    """The four 32-bit output words of Philox4x32-10, as Triton's ``randint4x(seed, offset)``."""
+    seeds, offsets = seeds.to(torch.int64), offsets.to(torch.int64)
+    return _philox_rounds(seeds, offsets & _MASK32, (offsets >> 32) & _MASK32)
+
+
+def _philox_rounds(
+    seeds: torch.Tensor, counter_low: torch.Tensor, counter_high: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 on the counter ``(low, high, 0, 0)`` and key ``seed``, the words broadcast lazily.
 
     Products wrap modulo 2**64 in int64, which keeps their exact low 64 bits, and the masks recover
-    the 32-bit words.
+    the 32-bit words. Nothing is broadcast up front: a race draw's counter low word is the token
+    (``[1, V / 4]``) while its high word and key are per row (``[B, 1]``), and the first rounds
+    mix them only partly, which saves about a third of the work of a full-size start.
+
+    Args:
+        seeds: int64 keys, broadcastable against the counter words.
+        counter_low: int64 low counter words in ``[0, 2**32)``.
+        counter_high: int64 high counter words in ``[0, 2**32)``.
+
+    Returns:
+        The four int64 output words in ``[0, 2**32)``, broadcast to a common shape.
     """
-    seeds, offsets = torch.broadcast_tensors(seeds.to(torch.int64), offsets.to(torch.int64))
-    c0 = offsets & _MASK32
-    c1 = (offsets >> 32) & _MASK32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
+    c0, c1 = counter_low, counter_high
+    c2 = c3 = torch.zeros((), dtype=torch.int64, device=seeds.device)
     k0 = seeds & _MASK32
     k1 = (seeds >> 32) & _MASK32
     for _ in range(_PHILOX_ROUNDS):
@@ -127,14 +142,18 @@ def _philox_words(
         )
         k0 = (k0 + _PHILOX_KEY_A) & _MASK32
         k1 = (k1 + _PHILOX_KEY_B) & _MASK32
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)  # every word has mixed every input by now
     return c0, c1, c2, c3
 
 
 def _word_to_uniform(word: torch.Tensor) -> torch.Tensor:
-    """A 32-bit word to a float32 in ``[0, 1)``, as ``triton.language.random.uint_to_uniform_float``."""
-    signed = torch.where(word >= 2**31, word - 2**32, word)
-    signed = torch.where(signed < 0, -signed - 1, signed)
-    return signed.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+    """32-bit words to float32 in ``[0, 1)``, as ``triton.language.random.uint_to_uniform_float``.
+
+    Triton reads the word as a signed int32 ``x`` and maps negative ``x`` to ``-x - 1``; for a word
+    ``w >= 2**31`` that is ``2**32 - 1 - w``, i.e. ``w XOR 0xFFFFFFFF``.
+    """
+    magnitude = torch.where(word >= 2**31, word ^ _MASK32, word)
+    return magnitude.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
 
 
 def philox_uniform(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -160,7 +179,7 @@ def philox_uniform4x(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
     Returns:
         float32 ``[*broadcast shape, 4]``; lane 0 equals :func:`philox_uniform`.
     """
-    return torch.stack([_word_to_uniform(word) for word in _philox_words(seeds, offsets)], dim=-1)
+    return _word_to_uniform(torch.stack(_philox_words(seeds, offsets), dim=-1))
 
 
 def race_noise_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
@@ -193,8 +212,10 @@ def philox_race_noise(
         float32 ``[B, V]`` race weights.
     """
     counters = torch.arange((vocab_size + 3) // 4, device=seeds.device, dtype=torch.int64)
-    offsets = philox_offsets(positions[:, None], stream, counters[None, :])
-    uniforms = philox_uniform4x(seeds[:, None], offsets).flatten(start_dim=1)[:, :vocab_size]
+    # The offsets of philox_offsets(positions, stream, counters), split into their 32-bit words.
+    high = philox_offsets(positions.to(torch.int64), stream, torch.zeros_like(positions, dtype=torch.int64)) >> 32
+    words = _philox_rounds(seeds.to(torch.int64)[:, None], counters[None, :], (high & _MASK32)[:, None])
+    uniforms = _word_to_uniform(torch.stack(words, dim=-1)).flatten(start_dim=1)[:, :vocab_size]
     return race_noise_from_uniform(uniforms)
 
 
