@@ -11,8 +11,9 @@ row (feeding it the new target features), then walks the ``S`` draft slots left 
 ``j`` gets its logits from :meth:`~spark_generate.heads.DSparkHead.draft_step` given the token
 drafted at ``j - 1``, and stays in the head's **draft vocabulary**: only the target's warpers that
 never read token ids (temperature, top-k, top-p, ...) are applied to it, then one softmax and one
-Philox draw on the ``DRAFT`` stream (greedy decoding takes the argmax instead, and keeps no
-distribution: ``q`` is one-hot). The distribution each draft was sampled from is kept, exactly, as
+exponential race on the ``DRAFT`` stream, whose Philox weights for all ``S`` slots come from one
+call before the walk (greedy decoding takes the argmax instead, and keeps no distribution: ``q``
+is one-hot). The distribution each draft was sampled from is kept, exactly, as
 what verification uses for ``q``; :meth:`DraftBlock.target_probs` lays it over the target
 vocabulary once per round.
 
@@ -33,7 +34,7 @@ from transformers import LogitsProcessorList
 from spark_generate.heads import DSparkHead
 from spark_generate.kernels import RandomStream
 from spark_generate.rows import RowPrefixes, Sampling
-from spark_generate.sampling import sample
+from spark_generate.sampling import race_noise, sample
 
 __all__ = ["DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
 
@@ -170,7 +171,13 @@ class HeadDrafter:
         )
         prev_ids, markov_state = anchor_ids, backbone.first_markov_state(0)
         token_ids, probs, confidence_logits = [], [], []
-        for slot in range(head.config.num_draft_tokens):
+        num_slots = head.config.num_draft_tokens
+        if not request.sampling.greedy:  # every slot's DRAFT-stream draws, in one Philox call
+            slots = torch.arange(num_slots, device=anchor_ids.device)
+            slot_positions = request.anchor_positions[:, None] + 1 + slots
+            vocab_size = backbone.base_logits.shape[-1]
+            noise = race_noise(request.sampling.seeds, slot_positions, vocab_size, RandomStream.DRAFT)
+        for slot in range(num_slots):
             step = head.draft_step(
                 backbone.base_logits[:, 0, slot], backbone.draft_hidden[:, 0, slot], prev_ids, markov_state
             )
@@ -181,10 +188,7 @@ class HeadDrafter:
                 if request.warpers:
                     draft_logits = request.warpers(anchor_ids[:, None], draft_logits)
                 slot_probs = torch.softmax(draft_logits, dim=-1)
-                draft_ids = sample(
-                    slot_probs, seed=request.sampling.seeds, positions=request.anchor_positions + 1 + slot,
-                    stream=RandomStream.DRAFT, validate=False,
-                )  # fmt: skip
+                draft_ids = sample(slot_probs, noise=noise[:, slot], validate=False)
                 probs.append(slot_probs)
             prev_ids = draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
             token_ids.append(prev_ids)

@@ -13,6 +13,8 @@ from test_generation import VOCAB, oracle, prompts, tiny_head, tiny_target
 
 from spark_generate import FixedLength, decode
 from spark_generate.drafting import HeadDrafter
+from spark_generate.kernels import RandomStream
+from spark_generate.sampling import sample
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +112,34 @@ def test_reduced_vocab_drafts_stay_in_the_draft_vocabulary(llama):
         outside[allowed] = False
         assert (spread[..., outside] == 0).all() and torch.equal(spread[..., allowed], block.probs)
     assert seen
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 40], ids=["full-vocab", "reduced-vocab"])
+def test_sampled_drafts_are_the_seeded_draft_stream_draws(llama, draft_vocab_size):
+    """Each slot's draft is ``sample(q, seed, position, DRAFT)`` at its own absolute position.
+
+    The drafter draws the Philox weights of all slots in one call; a slot or row reading another
+    one's weights (or the RESIDUAL stream) would draw other tokens.
+    """
+    head = tiny_head(llama, **({} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}))
+    seen = []
+
+    class Recording(HeadDrafter):
+        def draft(self, request):
+            block = super().draft(request)
+            seen.append((request, block))
+            return block
+
+    input_ids, attention_mask = prompts(3)
+    llama.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=10, dspark_seed=7,
+                   custom_generate=decode, dspark_head=head, dspark_drafter=Recording,
+                   dspark_schedule=FixedLength())  # fmt: skip
+    assert seen
+    for request, block in seen:
+        for slot in range(block.probs.shape[1]):
+            positions = request.anchor_positions + 1 + slot
+            expected = sample(block.probs[:, slot], seed=request.sampling.seeds, positions=positions,
+                              stream=RandomStream.DRAFT)  # fmt: skip
+            if block.vocab_ids is not None:
+                expected = block.vocab_ids[expected]
+            assert torch.equal(block.token_ids[:, slot], expected)

@@ -128,6 +128,16 @@ def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     assert loaded.config.block_size == 3
 
 
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    target = tiny_target()
+    config = settings(tmp_path, num_steps=4, save_every=1, save_total_limit=2)
+    result = Trainer(tiny_head(target), target, dataset(), config).train()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000003", "checkpoint-0000004"]
+    assert result.checkpoint.name == "checkpoint-0000004"
+    with pytest.raises(ValueError, match="save_total_limit=0"):
+        settings(tmp_path, save_total_limit=0)
+
+
 def test_failed_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     target = tiny_target()
     trainer = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=1))

@@ -85,6 +85,7 @@ class TrainingConfig:
         mixed_precision: ``"no"`` (float32) or ``"bf16"`` (autocast, float32 master weights).
         seed: Fixes the batch order and the anchors.
         save_every: Write a checkpoint every this many steps (0: only at the end).
+        save_total_limit: Keep only this many of the newest checkpoints (None: keep every one).
         loss_weights: The objective's coefficients.
         progress: Show a tqdm bar with the loss and the teacher-forced metrics.
     """
@@ -101,6 +102,7 @@ class TrainingConfig:
     mixed_precision: str = "no"
     seed: int = 0
     save_every: int = 0
+    save_total_limit: int | None = None
     loss_weights: LossWeights = dataclasses.field(default_factory=LossWeights)
     progress: bool = True
 
@@ -108,6 +110,11 @@ class TrainingConfig:
         for name in ("num_steps", "batch_size", "gradient_accumulation_steps", "num_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: expected a positive integer.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(
+                f"save_total_limit={self.save_total_limit}: expected a positive number of checkpoints to keep, "
+                "or None to keep every one."
+            )
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: expected 'no' (float32) or 'bf16'.")
 
@@ -421,8 +428,23 @@ class Trainer:
                 os.replace(temporary, final)
             finally:
                 shutil.rmtree(temporary, ignore_errors=True)
+            self._prune_checkpoints()
         self.accelerator.wait_for_everyone()
         return final
+
+    def _prune_checkpoints(self) -> None:
+        """Deletes all but the newest ``save_total_limit`` checkpoints.
+
+        Each is renamed away before it is deleted, so a crash never leaves a partial ``checkpoint-*``.
+        """
+        limit = self.config.save_total_limit
+        if limit is None:
+            return
+        checkpoints = sorted(self.output_dir.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+        for old in checkpoints[:-limit]:
+            doomed = old.with_name(f".tmp-delete-{old.name}-{os.getpid()}")
+            os.replace(old, doomed)
+            shutil.rmtree(doomed)
 
     def _provenance(self, step: int, metrics: TeacherForcedMetrics | None) -> dict:
         cache = self.feature_cache
