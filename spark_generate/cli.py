@@ -205,7 +205,7 @@ def _train(args: argparse.Namespace) -> str:
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
         warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         num_anchors=args.num_anchors, mixed_precision=args.mixed_precision, seed=args.seed,
-        save_every=args.save_every,
+        save_every=args.save_every, save_total_limit=args.save_total_limit,
     )  # fmt: skip
     held_out = read_jsonl(args.eval_data) if args.eval_data else None
     if held_out is not None:  # a bad file fails before training, not after
@@ -482,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--mixed-precision", str, "'no' (float32) or 'bf16' (bf16 autocast)"),
             ("--seed", int, "fixes batch order and anchors"),
             ("--save-every", int, "checkpoint every N steps, 0 for only at the end"),
+            ("--save-total-limit", int, "keep only the newest N checkpoints (default: every one)"),
         ),
     )  # fmt: skip
     train.add_argument("--resume-from", help="checkpoint folder to resume from (bit-exact)")
