@@ -67,7 +67,7 @@ def sample(
     if noise is None and seed is not None:
         seeds = torch.as_tensor(seed, dtype=torch.int64, device=probs.device).expand(batch_size)
         row_positions = torch.as_tensor(0 if positions is None else positions, dtype=torch.int64, device=probs.device)
-        noise = philox_race_noise(seeds, row_positions.expand(batch_size), stream, vocab_size)
+        noise = race_noise(seeds, row_positions.expand(batch_size)[:, None], vocab_size, stream)[:, 0]
     elif noise is None:
         noise = generator_race_noise((batch_size, vocab_size), probs.device, generator)
     elif noise.shape != probs.shape:
