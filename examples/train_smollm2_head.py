@@ -65,7 +65,12 @@ from spark_generate.training import (
 )
 from spark_generate.training.calibration import collect_calibration_data, fit_sts, plot_reliability
 from spark_generate.training.data import TokenDataset
-from spark_generate.training.evaluation import evaluate_domain, evaluate_teacher_forced_decoding, plot_domains
+from spark_generate.training.evaluation import (
+    evaluate_domain,
+    evaluate_teacher_forced_decoding,
+    plot_domains,
+    plot_history,
+)
 from spark_generate.training.initialization import feature_scale_from_cache
 from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, data_directory, prompt_ids, regenerate
@@ -83,7 +88,7 @@ DRAFT_VOCAB_SIZE = 8192
 FEATURE_SCALE = "channel"  # fc trains on unit-RMS channels (folded into fc.weight on export)
 SCALE_DOCUMENTS = 256
 TRAINING = {
-    "num_steps": 6000,
+    "num_steps": 2800,
     "batch_size": 8,
     "num_anchors": 32,
     "learning_rate": 1e-3,
@@ -246,6 +251,7 @@ def stage_export(workdir: Path, variant: str) -> Path:
     head = DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16)  # verifier: the zoo target's Hub id
     head.save_pretrained(destination)
     shutil.copy(checkpoint / "provenance.json", destination / "provenance.json")
+    plot_history(json.loads((checkpoint / "history.json").read_text()), destination / "learning_curve.png")
     if variant == "dspark":
         shutil.copy(workdir / "calibration.json", destination / "calibration.json")
         write_card(workdir, destination)
@@ -299,7 +305,9 @@ def write_card(workdir: Path, destination: Path) -> None:
         "results above show. The recipe (`examples/train_smollm2_head.py`) runs unchanged for longer, and the "
         "learning curves of its choices are in `benchmarks/README.md`. Greedy output is identical to plain "
         "`generate()` and sampled output has exactly the target's distribution, whatever the head's quality."
-        "\n\nCalibration of the confidence head (STS, reliability diagram): ![reliability](reliability.png)\n"
+        "\n\nLearning curve (teacher-forced metrics of each step's training batch, 50-step means): "
+        "![learning curve](learning_curve.png)\n"
+        "\nCalibration of the confidence head (STS, reliability diagram): ![reliability](reliability.png)\n"
     )
     benchmark = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "generate_smollm2_cpu.md"
     if benchmark.exists():

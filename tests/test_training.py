@@ -26,6 +26,7 @@ from spark_generate.training import (
     read_jsonl,
     write_jsonl,
 )
+from spark_generate.training.evaluation import plot_history
 
 VOCAB = 96
 
@@ -78,9 +79,16 @@ def test_resume_reaches_bit_identical_weights(tmp_path):
     half = Trainer(first, target, dataset(), settings(tmp_path / "split")).train(stop_after=2)
     assert half.checkpoint.name == "checkpoint-0000002"
     resumed = tiny_head(target)  # fresh weights, overwritten by the checkpoint
-    Trainer(resumed, target, dataset(), settings(tmp_path / "split")).train(resume_from=half.checkpoint)
+    end = Trainer(resumed, target, dataset(), settings(tmp_path / "split")).train(resume_from=half.checkpoint)
     for name, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
+    # The learning curve spans both sessions, record for record as the straight run's.
+    history = json.loads((end.checkpoint / "history.json").read_text())
+    assert [record["step"] for record in history] == [1, 2, 3, 4]
+    assert history == json.loads((tmp_path / "straight" / "checkpoint-0000004" / "history.json").read_text())
+    assert history[0]["learning_rate"] > history[-1]["learning_rate"]  # the cosine decay, step by step
+    plot_history(history, tmp_path / "curve.png", window=2)
+    assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_run_stopped_by_its_time_budget_resumes_bit_for_bit(tmp_path, monkeypatch):
@@ -113,7 +121,7 @@ def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=2, save_every=1)).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000001", "checkpoint-0000002"]
     assert sorted(p.name for p in result.checkpoint.iterdir()) == [
-        "README.md", "config.json", "custom_generate", "model.safetensors", "provenance.json", "trainer_state.pt",
+        "README.md", "config.json", "custom_generate", "history.json", "model.safetensors", "provenance.json", "trainer_state.pt",
     ]  # fmt: skip
     provenance = json.loads((result.checkpoint / "provenance.json").read_text())
     assert provenance["step"] == 2

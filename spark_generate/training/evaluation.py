@@ -57,6 +57,7 @@ __all__ = [
     "evaluate_teacher_forced",
     "evaluate_teacher_forced_decoding",
     "plot_domains",
+    "plot_history",
 ]
 
 
@@ -448,6 +449,48 @@ def plot_domains(reports: dict[str, DomainReport], path: str | Path) -> None:
     curves.legend()
     bars.bar(list(reports), [report.online.tau for report in reports.values()])
     bars.set_ylabel("tau (tokens per target forward)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def plot_history(history: list[dict[str, float]], path: str | Path, window: int = 50) -> None:
+    """Saves a training run's learning curve (``history.json`` of its checkpoint) as a PNG.
+
+    Args:
+        history: Per-step records of :class:`~spark_generate.training.Trainer`.
+        path: Where the PNG goes.
+        window: Steps in the trailing moving average (each step's metrics come from one small
+            training batch, so single steps are noisy).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [record["step"] for record in history]
+
+    def smoothed(key: str) -> list[float]:
+        values = torch.tensor([record[key] for record in history], dtype=torch.float64)
+        sums = torch.cat([torch.zeros(1, dtype=torch.float64), values.cumsum(0)])
+        ends = torch.arange(1, len(values) + 1)
+        starts = (ends - window).clamp(min=0)
+        return ((sums[ends] - sums[starts]) / (ends - starts)).tolist()
+
+    figure, (loss, quality) = plt.subplots(1, 2, figsize=(9, 3.5))
+    loss.plot(steps, smoothed("loss"))
+    loss.set_xlabel("optimizer step")
+    loss.set_ylabel(f"training loss ({window}-step mean)")
+    quality.plot(steps, smoothed("first_slot_greedy_accuracy"), label="first-slot greedy accuracy")
+    quality.plot(steps, smoothed("first_slot_acceptance"), label="first-slot acceptance (1 - TV)")
+    quality.set_xlabel("optimizer step")
+    quality.set_ylim(0, 1)
+    tau = quality.twinx()
+    tau.plot(steps, smoothed("greedy_tau"), color="tab:red", label="greedy tau")
+    tau.set_ylabel("greedy tau (teacher-forced)")
+    handles = quality.get_legend_handles_labels()[0] + tau.get_legend_handles_labels()[0]
+    quality.legend(handles=handles, loc="upper left", fontsize="small")
+    figure.suptitle("teacher-forced metrics on the training batches")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
