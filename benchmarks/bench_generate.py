@@ -41,6 +41,7 @@ table ``.md`` and a chart ``.png`` next to it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -329,7 +330,9 @@ def main() -> None:
         f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens; "
         f"{args.note}"
     )
-    write_results(stem.with_suffix(".csv"), [asdict(row) for row in rows], torch.device("cpu"), [note])
+    head_digest = hashlib.sha256((DSPARK_HEAD / "model.safetensors").read_bytes()).hexdigest()
+    head = f"head: {DSPARK_HEAD.name}/model.safetensors sha256 {head_digest}"  # the card checks it
+    write_results(stem.with_suffix(".csv"), [asdict(row) for row in rows], torch.device("cpu"), [note, head])
     stem.with_suffix(".md").write_text(markdown(rows))
     plot(rows, stem.with_suffix(".png"))
     print(markdown(rows))

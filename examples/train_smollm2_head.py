@@ -45,6 +45,7 @@ but its tau by ``1 - TV`` is 1.12 against 1.18).
 """
 
 import argparse
+import hashlib
 import json
 import lzma
 import os
@@ -310,7 +311,15 @@ def write_card(workdir: Path, destination: Path) -> None:
         "\nCalibration of the confidence head (STS, reliability diagram): ![reliability](reliability.png)\n"
     )
     benchmark = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "generate_smollm2_cpu.md"
-    if benchmark.exists():
+    digest = hashlib.sha256((destination / "model.safetensors").read_bytes()).hexdigest()
+    recorded = benchmark.with_suffix(".csv").exists() and digest in benchmark.with_suffix(".csv").read_text()
+    if not recorded:  # a table of another head's weights would misreport this one
+        (destination / "benchmark.png").unlink(missing_ok=True)
+        text += (
+            "\n## Peer benchmark (CPU)\n\nNot yet recorded with these weights: run "
+            "`python benchmarks/bench_generate.py`, then `python examples/train_smollm2_head.py --stage card`.\n"
+        )
+    else:
         shutil.copy(benchmark.with_suffix(".png"), destination / "benchmark.png")
         text += (
             "\n## Peer benchmark (CPU)\n\nFrom `benchmarks/bench_generate.py` (hardware, versions and commit in "

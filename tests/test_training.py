@@ -121,7 +121,8 @@ def test_checkpoint_is_complete_loadable_and_has_provenance(tmp_path):
     result = Trainer(tiny_head(target), target, dataset(), settings(tmp_path, num_steps=2, save_every=1)).train()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-0000001", "checkpoint-0000002"]
     assert sorted(p.name for p in result.checkpoint.iterdir()) == [
-        "README.md", "config.json", "custom_generate", "history.json", "model.safetensors", "provenance.json", "trainer_state.pt",
+        "README.md", "config.json", "custom_generate", "history.json", "model.safetensors", "provenance.json",
+        "trainer_state.pt",
     ]  # fmt: skip
     provenance = json.loads((result.checkpoint / "provenance.json").read_text())
     assert provenance["step"] == 2
