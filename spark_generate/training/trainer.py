@@ -517,7 +517,7 @@ class Trainer:
                 "the run began (head.scale_target_features(scale) before the Trainer, or not), any scale."
             )
         history = checkpoint / HISTORY  # absent in checkpoints of older versions: the curve starts here
-        self.history = json.loads(history.read_text())[:step] if history.exists() else []
+        self.history = json.loads(history.read_text()) if history.exists() else []
         own = self.head.state_dict()
         with torch.no_grad():
             # The saved head holds the folded fc.weight; the trained parameters behind it (W and
