@@ -374,7 +374,7 @@ def speculative_step(state: DecodeState) -> None:
         running.sampling,
     )  # fmt: skip
     if drafting:
-        state.schedule.record(num_verified[live], verdict.num_emitted[live])
+        state.schedule.record(num_verified, verdict.num_emitted, live)
     record_step(
         state.stats, running.rows[live], num_verified[live], verdict.num_accepted[live], drafting, start, verify_start
     )

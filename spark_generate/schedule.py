@@ -18,13 +18,21 @@ output distribution (the paper's Appendix A). Each schedule below holds that by 
   nothing that depends on ``d_{r,j}`` (e.g. ``a_{r,j+1}``) can influence whether ``(r, j)`` is
   admitted. A retrospective global argmax over all prefixes would look at ``a_{r,j+1}`` and is
   biased (``tests/test_schedule.py`` reproduces the paper's counterexample).
-* :class:`AdaptiveSchedule`, the default, is Algorithm 1 on this machine's costs plus a switch:
-  it keeps a running measure of what drafted rounds paid (tokens per second of modelled cost,
-  against plain decoding), and when drafting does not pay it decodes plain steps without running
-  the draft head, probing again after a growing number of steps. The switch reads only how many
-  tokens *past* rounds emitted, never a draft of the round it decides on, so every round is
-  lossless given the past, and so is the whole generation. Without a confidence head, survivals
-  come from the running per-slot acceptance instead.
+* :class:`AdaptiveSchedule`, the default, plans on this machine's costs with a *lookahead*
+  (:func:`lookahead_lengths`) and adds a switch. Algorithm 1 admits one token at a time and stops
+  at the first that does not pay, which is blind to a cost that jumps at the first draft and then
+  stays flat (a CPU forward over two tokens can cost nearly twice one, over eight barely more than
+  over two): no single draft pays there, yet a whole block can. The lookahead widens the block
+  slot by slot, every row alike (the target's forward is a padded block, so a row verifying fewer
+  than the width saves nothing), and admits slot ``j`` while *some* width ``>= j`` beats stopping
+  before it, valuing the slots ``<= j`` by their survivals and the slots after ``j`` by this
+  generation's running per-slot acceptance: slot ``j``'s decision reads ``c_<=j`` (drafts
+  ``< j``) and the past, never ``d_j``. The switch keeps a running measure of what drafted rounds
+  paid (tokens per second of modelled cost, against plain decoding), and when drafting does not
+  pay it decodes plain steps without running the draft head, probing again after a growing number
+  of steps. It reads only how many tokens *past* rounds emitted, so every round is lossless given
+  the past, and so is the whole generation. Without a confidence head, survivals come from the
+  running per-slot acceptance alone.
 
 ``SPS`` comes from a :class:`CostTable`: measured on the user's own hardware by
 :func:`spark_generate.profiling.profile_costs` (and cached per target, dtype, device and batch size
@@ -51,6 +59,7 @@ __all__ = [
     "ScheduleRun",
     "confidences",
     "load_calibration",
+    "lookahead_lengths",
     "start_schedule",
 ]
 
@@ -211,6 +220,45 @@ def goodput_lengths(survival: torch.Tensor, cost_table: CostTable) -> torch.Tens
     return torch.tensor(lengths, dtype=torch.int64)
 
 
+def lookahead_lengths(survival: torch.Tensor, acceptance: torch.Tensor, cost_table: CostTable) -> torch.Tensor:
+    """The adaptive schedule's plan: one verify length for every row, chosen slot by slot with lookahead.
+
+    Verifying ``k`` drafts in each of ``R`` rows costs one forward over ``R (1 + k)`` tokens and is
+    expected to emit ``R + sum_r sum_{j <= k} a_{r,j}`` tokens. Slot ``j`` is admitted (having
+    admitted ``1 .. j - 1``) while the best goodput over widths ``k >= j`` beats stopping at
+    ``j - 1``; the survivals of slots after ``j`` (which read ``d_j``) are not looked at: they are
+    projected from ``a_{r,j}`` with the per-slot conditional ``acceptance`` of past rounds. The
+    first slot that does not pay ends the search, so whether slot ``j`` is verified depends on
+    ``a_{., <= j}`` and the past only (lossless, see the module docstring).
+
+    Args:
+        survival: ``[R, S]`` prefix survivals ``a_{r,j}`` of this round's drafts.
+        acceptance: ``[S]`` probability that slot ``j`` is accepted when reached, from past rounds.
+        cost_table: The costs to plan with.
+
+    Returns:
+        ``[R]`` int64 lengths, all equal.
+    """
+    num_rows, num_slots = survival.shape
+    expected = survival.double().sum(dim=0).tolist()  # [S] expected accepted tokens at each slot, all rows
+    acceptance = acceptance.double().tolist()
+    length, tokens = 0, float(num_rows)
+    best = tokens * cost_table.steps_per_second(num_rows)
+    for slot in range(num_slots):
+        known = tokens + expected[slot]  # slots <= this one valued by their survivals
+        projected, reach, extension = 0.0, expected[slot], 0.0
+        for later in range(slot, num_slots):  # widths 1 + later + 1, slots after this one projected
+            if later > slot:
+                reach *= acceptance[later]
+                extension += reach
+            projected = max(projected, (known + extension) * cost_table.steps_per_second(num_rows * (later + 2)))
+        if projected <= best:
+            break  # lossless early stop: slots after this one are never admitted
+        length, tokens = slot + 1, known
+        best = tokens * cost_table.steps_per_second(num_rows * (length + 1))
+    return torch.full((num_rows,), length, dtype=torch.int64)
+
+
 @dataclass(frozen=True)
 class GoodputSchedule:
     """The paper's Algorithm 1: greedy admission by prefix survival, with the lossless early stop.
@@ -231,25 +279,26 @@ class GoodputSchedule:
 
 @dataclass(frozen=True)
 class AdaptiveSchedule:
-    """The default schedule: Algorithm 1 on this machine's costs, and plain steps when drafting does not pay.
+    """The default schedule: a lookahead plan on this machine's costs, and plain steps when drafting does not pay.
 
     Attributes:
         cost_table: Costs to plan with; None uses this machine's table for the target, dtype,
             device and batch size (profiled once and cached, see
             :func:`spark_generate.profiling.cost_table_for`).
         temperatures: Optional ``[S]`` STS temperatures of the confidence head.
-        smoothing: Weight of the newest drafted round in the running gain.
+        smoothing: Weight of the newest drafted round in the running means of the gain.
         max_backoff: The most plain steps between two probing rounds.
     """
 
     cost_table: CostTable | None = None
     temperatures: torch.Tensor | None = None
-    smoothing: float = 0.3
+    smoothing: float = 0.5
     max_backoff: int = 32
 
     def start(self, cost_table: CostTable, num_draft_tokens: int) -> AdaptiveRun:
         """The per-generation state of this schedule, planning with ``cost_table``."""
-        return AdaptiveRun(self, cost_table, torch.zeros(num_draft_tokens), torch.zeros(num_draft_tokens))
+        counts = [torch.zeros(num_draft_tokens) for _ in range(3)]
+        return AdaptiveRun(self, cost_table, *counts)
 
 
 class ScheduleRun(Protocol):
@@ -263,8 +312,8 @@ class ScheduleRun(Protocol):
         """``[R]`` int64 drafts to verify per row (see :class:`Schedule`)."""
         ...
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor) -> None:
-        """What a drafted round verified (``[R]``) and emitted (``[R]``, accepted + 1)."""
+    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
+        """What a drafted round verified (``[R]``) and emitted (``[R]``, accepted + 1) in its ``[R]`` live rows."""
         ...
 
 
@@ -282,7 +331,7 @@ class EveryRound:
         """What the schedule chooses."""
         return self.schedule(confidence_logits, num_rows, num_draft_tokens)
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor) -> None:
+    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
         """Nothing to remember."""
 
 
@@ -290,19 +339,35 @@ class EveryRound:
 class AdaptiveRun:
     """:class:`AdaptiveSchedule` during one generation.
 
-    ``gain`` is the running ratio of what drafted rounds emitted per modelled second to what
-    plain steps would have emitted (``R`` tokens per single-token forward of ``R`` rows); below 1
-    the next ``backoff`` rounds are plain steps, and ``backoff`` doubles at every probe that does
-    not pay (up to ``max_backoff``), resetting once drafting pays again.
+    ``gain`` is what drafted rounds emitted per row over what they cost in plain steps (running
+    means of both, so one lucky round does not hide the losing rounds after it); below 1 the next
+    ``backoff`` rounds are plain steps, and ``backoff`` doubles at every probe that does not pay
+    (up to ``max_backoff``), resetting once drafting pays again. The head's confidences are
+    corrected per slot by how often reached slots were accepted against the confidence they were
+    given in past rounds (so a head calibrated elsewhere, or at another temperature, is brought to
+    this generation's acceptance).
     """
 
     settings: AdaptiveSchedule
     cost_table: CostTable
-    verified_by_slot: torch.Tensor  # [S] running counts, for heads without confidences
-    accepted_by_slot: torch.Tensor
-    gain: float | None = None
+    reached_by_slot: torch.Tensor  # [S] running counts: slot verified and every earlier slot accepted
+    accepted_by_slot: torch.Tensor  # [S] of those, accepted
+    confidence_by_slot: torch.Tensor  # [S] of those, the summed confidences the slots were given
+    last_confidences: torch.Tensor | None = None  # [R, S] of the round being verified
+    tokens: float | None = None  # running mean tokens per row of a drafted round
+    cost: float | None = None  # running mean cost of a drafted round, in plain steps
     plain_steps_left: int = 0
     backoff: int = 1
+
+    @property
+    def gain(self) -> float | None:
+        """Running tokens per plain step of drafted rounds (plain decoding: 1); None before any."""
+        return None if self.tokens is None or self.cost is None else self.tokens / self.cost
+
+    @property
+    def acceptance(self) -> torch.Tensor:
+        """``[S]`` per-slot acceptance when reached so far, Laplace-smoothed (1/2 before any evidence)."""
+        return (self.accepted_by_slot + 1) / (self.reached_by_slot + 2)
 
     def should_draft(self) -> bool:
         """False while stepping aside."""
@@ -312,26 +377,42 @@ class AdaptiveRun:
         return True
 
     def lengths(self, confidence_logits: torch.Tensor | None, num_rows: int, num_draft_tokens: int) -> torch.Tensor:
-        """Algorithm 1 on the confidences, or on the running per-slot acceptance without them."""
-        if confidence_logits is not None:
-            survival = confidences(confidence_logits, self.settings.temperatures).cumprod(dim=1)
-        else:  # Laplace-smoothed acceptance of each slot so far; optimistic before any evidence
-            rates = (self.accepted_by_slot + 1) / (self.verified_by_slot + 1)
-            survival = rates[:num_draft_tokens].cumprod(dim=0).expand(num_rows, -1)
-        return goodput_lengths(survival.cpu(), self.cost_table)
+        """:func:`lookahead_lengths` on the corrected confidences, or on the running acceptance without them."""
+        acceptance = self.acceptance[:num_draft_tokens]
+        if confidence_logits is None:
+            self.last_confidences = None
+            survival = acceptance.cumprod(dim=0).expand(num_rows, -1)
+        else:
+            self.last_confidences = confidences(confidence_logits, self.settings.temperatures).cpu()
+            correction = (self.accepted_by_slot + 1) / (self.confidence_by_slot + 1)
+            survival = (self.last_confidences * correction[:num_draft_tokens]).clamp(max=1.0).cumprod(dim=1)
+        return lookahead_lengths(survival, acceptance, self.cost_table)
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor) -> None:
-        """Updates the running gain and per-slot acceptance, and decides whether to step aside."""
-        num_verified, num_accepted = num_verified.cpu(), num_emitted.cpu() - 1
-        slots = torch.arange(len(self.verified_by_slot))
-        self.verified_by_slot += (slots[None] < num_verified[:, None]).sum(0)
+    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
+        """Updates the running gain and per-slot acceptance, and decides whether to step aside.
+
+        Args:
+            num_verified: ``[R]`` drafts verified per row this round.
+            num_emitted: ``[R]`` tokens emitted (accepted + 1).
+            live: ``[R]`` bool, the rows that had not stopped before the round (the others are ignored).
+        """
+        live = live.cpu()
+        num_verified, num_accepted = num_verified.cpu()[live], num_emitted.cpu()[live] - 1
+        if not len(num_verified):
+            return
+        slots = torch.arange(len(self.reached_by_slot))
+        reached = (slots[None] < num_verified[:, None]) & (slots[None] <= num_accepted[:, None])
+        self.reached_by_slot += reached.sum(0)
         self.accepted_by_slot += (slots[None] < num_accepted[:, None]).sum(0)
+        if self.last_confidences is not None:
+            given = self.last_confidences[live]
+            self.confidence_by_slot[: given.shape[1]] += (given * reached[:, : given.shape[1]]).sum(0)
         num_rows, width = len(num_verified), int(num_verified.max()) + 1
         table = self.cost_table
-        round_seconds = table.draft_seconds + table.verify_cost(num_rows * width)
-        ratio = (float(num_emitted.sum()) / round_seconds) / (num_rows / table.verify_cost(num_rows))
-        weight = self.settings.smoothing
-        self.gain = ratio if self.gain is None else (1 - weight) * self.gain + weight * ratio
+        cost = (table.draft_seconds + table.verify_cost(num_rows * width)) / table.verify_cost(num_rows)
+        tokens, weight = float(num_accepted.sum() + num_rows) / num_rows, self.settings.smoothing
+        self.tokens = tokens if self.tokens is None else (1 - weight) * self.tokens + weight * tokens
+        self.cost = cost if self.cost is None else (1 - weight) * self.cost + weight * cost
         if self.gain < 1.0:
             self.plain_steps_left = self.backoff
             self.backoff = min(2 * self.backoff, self.settings.max_backoff)

@@ -29,7 +29,7 @@ from spark_generate import (
 from spark_generate.kernels import RandomStream, rejection_sample
 from spark_generate.profiling import cost_table_for
 from spark_generate.sampling import sample
-from spark_generate.schedule import load_calibration
+from spark_generate.schedule import load_calibration, lookahead_lengths
 
 
 def logits_of(confidences: list[list[float]]) -> torch.Tensor:
@@ -176,12 +176,53 @@ def test_adaptive_switch_steps_aside_and_probes_with_growing_backoff():
     plain_steps = []
     for emitted in [1, 1, 1, 1, 3, 1]:  # tokens emitted by each drafted round of one row
         assert run.should_draft()
-        run.record(torch.tensor([3]), torch.tensor([emitted]))
+        run.record(torch.tensor([3]), torch.tensor([emitted]), torch.tensor([True]))
         skipped = 0
         while not run.should_draft():
             skipped += 1
         plain_steps.append(skipped)
     assert plain_steps == [1, 2, 4, 4, 0, 1]
+
+
+def test_lookahead_sees_past_a_first_draft_that_costs_most():
+    """A CPU-like table: the first draft nearly doubles the forward, later ones are almost free.
+
+    With confidences 0.7, no single draft pays (Algorithm 1 stops at once: 1.7 / 2.1 < 1 / 1.2),
+    three do (2.53 / 2.13); the lookahead admits them, and stops where the survivals of the
+    admitted slots say the next one no longer pays.
+    """
+    table = CostTable(num_tokens=(1, 2, 8), verify_seconds=(1.0, 1.9, 2.0), draft_seconds=0.2)
+    acceptance = torch.full((3,), 0.7)
+    assert GoodputSchedule(table)(logits_of([[0.7] * 3]), 1, 3).tolist() == [0]
+    assert lookahead_lengths(torch.tensor([[0.7, 0.49, 0.343]]), acceptance, table).tolist() == [3]
+    assert lookahead_lengths(torch.tensor([[0.14, 0.098, 0.069]]), acceptance, table).tolist() == [0]
+    # Slot 1 is admitted on the projected later slots; once paid for, slot 2 is nearly free, slot 3 is not.
+    assert lookahead_lengths(torch.tensor([[0.7, 0.02, 0.01]]), acceptance, table).tolist() == [2]
+    two_rows = CostTable(num_tokens=(2, 4, 16), verify_seconds=(1.0, 1.9, 2.0), draft_seconds=0.2)
+    survival = torch.tensor([[0.7, 0.49, 0.343], [0.1, 0.01, 0.001]])
+    assert lookahead_lengths(survival, acceptance, two_rows).tolist() == [3, 3]  # a padded block: rows alike
+
+
+def test_adaptive_acceptance_is_per_slot_when_reached():
+    """Slot j counts as reached when verified with every earlier slot accepted."""
+    table = CostTable(num_tokens=(1, 8), verify_seconds=(1.0, 1.0))
+    run = AdaptiveSchedule(table).start(table, 3)
+    run.record(torch.tensor([3, 3, 1, 0, 3]), torch.tensor([4, 2, 2, 1, 4]), torch.tensor([True] * 4 + [False]))
+    assert run.reached_by_slot.tolist() == [3, 2, 1] and run.accepted_by_slot.tolist() == [3, 1, 1]
+    assert torch.allclose(run.acceptance, torch.tensor([4 / 5, 2 / 4, 2 / 3]))
+
+
+def test_adaptive_corrects_the_confidences_by_past_acceptance():
+    """A head that says 0.9 where only half the reached drafts are accepted is scaled down, per slot."""
+    table = CostTable(num_tokens=(1, 8), verify_seconds=(1.0, 1.0))
+    run = AdaptiveSchedule(table).start(table, 2)
+    for accepted in [0, 1] * 20:  # slot 1 always reached, accepted every other round; slot 2 always rejected
+        run.lengths(logits_of([[0.9, 0.9]]), 1, 2)
+        run.record(torch.tensor([2]), torch.tensor([1 + accepted]), torch.tensor([True]))
+    assert run.reached_by_slot.tolist() == [40, 20] and run.accepted_by_slot.tolist() == [20, 0]
+    assert torch.allclose(run.confidence_by_slot, torch.tensor([36.0, 18.0]))
+    correction = (run.accepted_by_slot + 1) / (run.confidence_by_slot + 1)
+    assert torch.allclose(correction, torch.tensor([21 / 37, 1 / 19]))
 
 
 @given(
@@ -195,7 +236,7 @@ def test_adaptive_decisions_never_read_the_drafts_they_decide_on(confidences, hi
     table = CostTable(num_tokens=(1, 4, 16), verify_seconds=(1.0, 1.3, 2.5), draft_seconds=0.2)
     run = AdaptiveSchedule(table).start(table, 4)
     for emitted in history:  # past rounds of one row, all 4 drafts verified
-        run.record(torch.tensor([4]), torch.tensor([emitted]))
+        run.record(torch.tensor([4]), torch.tensor([emitted]), torch.tensor([True]))
     original = run.lengths(logits_of(confidences), len(confidences), 4)
     row = data.draw(st.integers(0, len(confidences) - 1))
     slot = data.draw(st.integers(0, 3))
@@ -208,7 +249,7 @@ def test_adaptive_decisions_never_read_the_drafts_they_decide_on(confidences, hi
 
 
 class PhasedOracle(OracleDrafter):
-    """Right for the first rounds, then wrong for a while, then right again: the switch must act."""
+    """Right for two rounds, then wrong for seven (long enough to pull the running gain below 1), then right."""
 
     def __init__(self, head, reference):
         super().__init__(head, reference)
@@ -217,7 +258,7 @@ class PhasedOracle(OracleDrafter):
     def draft(self, request):
         block = super().draft(request)
         self.round += 1
-        if 3 <= self.round < 6:
+        if 3 <= self.round < 10:
             return replace(block, token_ids=(block.token_ids + 1) % 128)
         return block
 
