@@ -20,7 +20,8 @@ Prompts: the evaluation split of :mod:`spark_generate.prompt_sets` (HumanEval fo
 GSM-Symbolic for math, MT-Bench first turns for chat), in the chat template, never seen in training.
 Each (domain, temperature, batch size) cell runs the same prompts (the first ``--prompts``, or
 one full batch when that is more) through every system in left-padded batches, stopping at EOS
-or ``--max-new-tokens``, and records per system:
+or ``--max-new-tokens``, ``--repeats`` times with the systems interleaved (the run with the median
+time is kept; this host's speed drifts by 5-20% within minutes), and records per system:
 
 * ``ttft_ms``: time to first token, the mean wall time of ``generate(max_new_tokens=1)`` per batch;
 * ``request_tok_s``: mean over requests of its new tokens divided by its latency;
@@ -35,6 +36,7 @@ Results: ``benchmarks/results/generate_smollm2_<device>.csv`` (with provenance l
 table ``.md`` and a chart ``.png`` next to it.
 
     python benchmarks/bench_generate.py                      # the recorded run
+    python benchmarks/bench_generate.py --repeats 3          # steadier cells, three times as long
     python benchmarks/bench_generate.py --prompts 2 --max-new-tokens 16 --batch-sizes 1 --temperatures 0
 """
 
@@ -53,14 +55,14 @@ from tqdm.auto import tqdm
 
 from spark_generate import DSparkForCausalLM, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
-from spark_generate.profiling import cost_table_for
+from spark_generate.profiling import cache_folder, cost_table_for
 from spark_generate.schedule import AdaptiveSchedule, FixedLength, GoodputSchedule, load_calibration
 from spark_generate.training.regenerate import prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DSPARK_HEAD = ROOT / "model_cards" / "smollm2-135m-instruct-dspark"
-DFLASH_HEAD = ROOT / "runs" / "smollm2" / "dflash-export"
+DFLASH_HEAD = cache_folder() / "runs" / "smollm2" / "dflash-export"  # where the recipe exports it
 SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark-goodput", "dspark")
 DEFAULT_SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark")
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
@@ -207,6 +209,11 @@ class Bench:
         return system != "dflash" or "dflash" in self.heads
 
 
+def median_run(outcomes: list[Outcome]) -> Outcome:
+    """The run with the median wall time (the faster of two): the outputs are the same in every run."""
+    return sorted(outcomes, key=lambda outcome: outcome.seconds)[(len(outcomes) - 1) // 2]
+
+
 def cell_rows(domain: str, temperature: float, batch_size: int, outcomes: dict[str, Outcome]) -> list[Row]:
     plain = outcomes["plain"]
     plain_throughput = sum(map(len, plain.sequences)) / plain.seconds
@@ -306,6 +313,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 means greedy")
     parser.add_argument("--dflash-head", default=str(DFLASH_HEAD), help="the DFlash ablation head folder")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each system per cell, interleaved")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--note", default="", help="free text for the header, e.g. machine load")
     args = parser.parse_args()
@@ -319,7 +327,11 @@ def main() -> None:
             prompts = [prompt_ids(bench.tokenizer, text) for text in texts]
             systems = ["plain"] + [s for s in args.systems if s != "plain" and bench.available(s, batch_size)]
             bench.run("plain", prompts[:1], 1, temperature)  # warm-up
-            outcomes = {system: bench.run(system, prompts, batch_size, temperature) for system in systems}
+            runs: dict[str, list[Outcome]] = {system: [] for system in systems}
+            for _ in range(args.repeats):  # interleaved, so a slow spell of the host reaches every system alike
+                for system in systems:
+                    runs[system].append(bench.run(system, prompts, batch_size, temperature))
+            outcomes = {system: median_run(outcomes) for system, outcomes in runs.items()}
             cell = cell_rows(domain, temperature, batch_size, outcomes)
             for row in cell:
                 print(row)
@@ -327,7 +339,8 @@ def main() -> None:
     stem = RESULTS / "generate_smollm2_cpu"
     note = (
         f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
-        f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens; "
+        f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens, "
+        f"median of {args.repeats} interleaved runs per system; "
         f"{args.note}"
     )
     head_digest = hashlib.sha256((DSPARK_HEAD / "model.safetensors").read_bytes()).hexdigest()
