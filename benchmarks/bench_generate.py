@@ -331,7 +331,7 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved, so a slow spell of the host reaches every system alike
                 for system in systems:
                     runs[system].append(bench.run(system, prompts, batch_size, temperature))
-            outcomes = {system: median_run(outcomes) for system, outcomes in runs.items()}
+            outcomes = {system: median_run(system_runs) for system, system_runs in runs.items()}
             cell = cell_rows(domain, temperature, batch_size, outcomes)
             for row in cell:
                 print(row)

@@ -405,8 +405,7 @@ class AdaptiveRun:
         self.reached_by_slot += reached.sum(0)
         self.accepted_by_slot += (slots[None] < num_accepted[:, None]).sum(0)
         if self.last_confidences is not None:
-            given = self.last_confidences[live]
-            self.confidence_by_slot[: given.shape[1]] += (given * reached[:, : given.shape[1]]).sum(0)
+            self.confidence_by_slot += (self.last_confidences[live] * reached).sum(0)
         num_rows, width = len(num_verified), int(num_verified.max()) + 1
         table = self.cost_table
         cost = (table.draft_seconds + table.verify_cost(num_rows * width)) / table.verify_cost(num_rows)
