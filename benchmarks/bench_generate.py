@@ -3,6 +3,9 @@
 Systems (same target, precision, prompts and decoding settings):
 
 * ``plain``: ``target.generate()``, the baseline every ratio is taken against;
+* ``plain-packed``: ``target.generate()`` inside :func:`spark_generate.packed_linears`, i.e. plain
+  decoding with the oneDNN linears the DSpark systems run on a CPU by default: how much of their
+  ratio the kernels alone give;
 * ``prompt-lookup``: Transformers' prompt-lookup decoding (``prompt_lookup_num_tokens``; it
   supports batch 1 only, so larger batches are skipped);
 * ``dflash``: the DFlash ablation, a head trained with the same recipe but ``markov_rank=0`` and no
@@ -53,7 +56,7 @@ import torch
 from _env import write_results
 from tqdm.auto import tqdm
 
-from spark_generate import DSparkForCausalLM, prompt_sets, zoo
+from spark_generate import DSparkForCausalLM, packed_linears, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
 from spark_generate.profiling import cache_folder, cost_table_for
 from spark_generate.schedule import AdaptiveSchedule, FixedLength, GoodputSchedule, load_calibration
@@ -63,8 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DSPARK_HEAD = ROOT / "model_cards" / "smollm2-135m-instruct-dspark"
 DFLASH_HEAD = cache_folder() / "runs" / "smollm2" / "dflash-export"  # where the recipe exports it
-SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark-goodput", "dspark")
-DEFAULT_SYSTEMS = ("plain", "prompt-lookup", "dflash", "dspark-fixed", "dspark")
+SYSTEMS = ("plain", "plain-packed", "prompt-lookup", "dflash", "dspark-fixed", "dspark-goodput", "dspark")
+DEFAULT_SYSTEMS = ("plain", "plain-packed", "prompt-lookup", "dflash", "dspark-fixed", "dspark")
 PROMPT_LOOKUP = {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
@@ -151,10 +154,11 @@ class Bench:
 
     def generate(self, system: str, inputs: dict[str, torch.Tensor], settings: dict, seed: int):
         """One ``generate`` call of a system; returns the output sequences and the DSpark statistics."""
-        if system in ("plain", "prompt-lookup"):
+        if system in ("plain", "plain-packed", "prompt-lookup"):
             torch.manual_seed(seed)
             extra = PROMPT_LOOKUP if system == "prompt-lookup" else {}
-            return self.target.generate(**inputs, **settings, **extra), None
+            with packed_linears(self.target, enabled=system == "plain-packed"):
+                return self.target.generate(**inputs, **settings, **extra), None
         head = self.heads["dflash" if system == "dflash" else "dspark"]
         schedule = self.schedule(system, inputs["input_ids"].shape[0], not settings.get("do_sample", False))
         output = self.model.generate(

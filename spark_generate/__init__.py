@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from spark_generate.generation import decode
     from spark_generate.heads import DSparkHead
     from spark_generate.modeling import DSparkForCausalLM
+    from spark_generate.packing import packed_linears
     from spark_generate.profiling import profile_costs
     from spark_generate.schedule import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
     from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats
@@ -40,6 +41,7 @@ _LAZY_EXPORTS = {
     "GoodputSchedule": "spark_generate.schedule",
     "SpeculativeStats": "spark_generate.telemetry",
     "decode": "spark_generate.generation",
+    "packed_linears": "spark_generate.packing",
     "profile_costs": "spark_generate.profiling",
 }
 
@@ -66,6 +68,7 @@ __all__ = [
     "SpeculativeStats",
     "__version__",
     "decode",
+    "packed_linears",
     "profile_costs",
     "rejection_sample",
     "sample",

@@ -40,6 +40,7 @@ from spark_generate.cache import FeatureTap, check_holes_allowed, target_forward
 from spark_generate.drafting import DraftBlock, DraftContext, Drafter, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, pop_prepared_inputs, take_cache, vocabulary_free_processors
+from spark_generate.packing import packed_linears, resolve_pack_linears
 from spark_generate.profiling import cost_table_for
 from spark_generate.rows import UNSEEN_POSITION, RowPrefixes, Sampling, apply_processors, rows_by_length
 from spark_generate.sampling import sample
@@ -152,6 +153,7 @@ def decode(
     dspark_seed: int | torch.Tensor | None = None,
     dspark_schedule: Schedule | AdaptiveSchedule | None = None,
     dspark_drafter: Callable[[DSparkHead], Drafter] | None = None,
+    dspark_pack_linears: bool | None = None,
     **model_kwargs: object,
 ) -> torch.Tensor | DSparkGenerateOutput:
     """DSpark decoding as a ``custom_generate`` callable for any Transformers causal LM.
@@ -184,6 +186,9 @@ def decode(
         dspark_drafter: Builds the drafter of this generation from the head, instead of
             :class:`~spark_generate.drafting.HeadDrafter` (the head still names the tapped layers
             and the block size); for tests and other drafters.
+        dspark_pack_linears: Run the float32 CPU linear layers of the target and head through
+            oneDNN with pre-packed weights (:mod:`spark_generate.packing`); None: on a CPU for a
+            float32 target, unless ``SPARK_GENERATE_PACK_LINEARS=0``.
         **model_kwargs: ``attention_mask`` and the cache ``generate()`` prepared.
 
     Returns:
@@ -208,6 +213,7 @@ def decode(
         model, dspark_head, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         generation_config=generation_config, attention_mask=attention_mask, schedule=dspark_schedule,
         seed=dspark_seed, streamer=dspark_streamer, cache=cache, drafter=dspark_drafter,
+        pack_linears=dspark_pack_linears,
     )  # fmt: skip
 
 
@@ -225,6 +231,7 @@ def speculative_generate(
     streamer: object | None = None,
     cache: Cache | None = None,
     drafter: Callable[[DSparkHead], Drafter] | None = None,
+    pack_linears: bool | None = None,
 ) -> torch.Tensor | DSparkGenerateOutput:
     """Prefills, then runs speculative steps until every row has stopped (arguments as in :func:`decode`)."""
     check_generation_config(generation_config)
@@ -248,21 +255,23 @@ def speculative_generate(
     num_drafts = head.config.num_draft_tokens
     max_new_tokens = generation_config.max_length - prompt_length
     check_holes_allowed(target, batch_size, generation_config.max_length + max_new_tokens * num_drafts)
-    cost_table = None
-    if isinstance(schedule, AdaptiveSchedule) and schedule.cost_table is None:
-        cost_table = cost_table_for(target, head, batch_size, greedy=not generation_config.do_sample)
     pad_token_id = _pad_token_id(generation_config)
     token_ids = input_ids.new_full((batch_size, generation_config.max_length + num_drafts + 1), pad_token_id or 0)
     token_ids[:, :prompt_length] = input_ids
     want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     greedy = not generation_config.do_sample
+    pack = resolve_pack_linears(target, pack_linears)
+    cost_table = None
+    if isinstance(schedule, AdaptiveSchedule) and schedule.cost_table is None:
+        cost_table = cost_table_for(target, head, batch_size, greedy=greedy, pack_linears=pack)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
         cache = take_cache(target, {}) if cache is None else cache
         cache_kwarg = cache_kwarg_name(target)
-        with FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device) as tap:
+        tap = FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device)
+        with packed_linears(target, head, enabled=pack), tap:
             logits, context = prefill(target, tap, input_ids, attention_mask, cache, cache_kwarg)
             settings = DecodeSettings(
                 target=target, num_draft_tokens=num_drafts, logits_processor=logits_processor,

@@ -110,6 +110,7 @@ class DSparkForCausalLM(nn.Module):
         streamer: Any = None,
         seed: int | torch.Tensor | None = None,
         schedule: Schedule | AdaptiveSchedule | None = None,
+        pack_linears: bool | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | DSparkGenerateOutput | Any:
@@ -128,6 +129,9 @@ class DSparkForCausalLM(nn.Module):
             schedule: How many drafts to verify per step (:mod:`spark_generate.schedule`);
                 default: :class:`~spark_generate.schedule.AdaptiveSchedule`, with the head's
                 calibration when it was loaded from a folder that has one.
+            pack_linears: Run the float32 CPU linear layers of the model and head through oneDNN
+                with pre-packed weights while speculating (:mod:`spark_generate.packing`); None:
+                on a CPU for a float32 model.
             stopping_criteria: Extra stopping criteria, as for ``generate()``.
             **kwargs: Everything else ``generate()`` accepts (``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``stop_strings`` with ``tokenizer``, ``attention_mask``, ...).
@@ -169,6 +173,7 @@ class DSparkForCausalLM(nn.Module):
             dspark_streamer=streamer,
             dspark_seed=seed,
             dspark_schedule=schedule,
+            dspark_pack_linears=pack_linears,
             **kwargs,
         )
 

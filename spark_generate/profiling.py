@@ -30,6 +30,7 @@ from spark_generate.cache import FeatureTap, target_forward
 from spark_generate.drafting import DraftBlock, DraftContext, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
+from spark_generate.packing import packed_linears, resolve_pack_linears
 from spark_generate.rows import RowPrefixes, Sampling
 from spark_generate.schedule import CostTable
 from spark_generate.verify import verify_block
@@ -141,15 +142,20 @@ def _profile_batch(
     return [min(column) for column in zip(*timings, strict=True)], draft_seconds
 
 
-def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool = True) -> CostTable:
+def cost_table_for(
+    model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool = True, pack_linears: bool | None = None
+) -> CostTable:
     """This machine's cost table for ``model``, ``head``, ``batch_size`` and sampling mode: cached, else profiled once.
 
-    With ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
+    Profiled with the linear layers packed or not as the generation will run them
+    (``pack_linears`` as in :func:`~spark_generate.packing.resolve_pack_linears`). With
+    ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
     """
     device = next(model.parameters()).device
     if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
         return CostTable.estimate(device.type, batch_size * (head.config.num_draft_tokens + 1))
-    key = {**_machine_key(model, head, batch_size, device), "greedy": greedy}
+    pack = resolve_pack_linears(model, pack_linears)
+    key = {**_machine_key(model, head, batch_size, device), "greedy": greedy, "packed_linears": pack}
     path = (
         cache_folder() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
     )
@@ -158,7 +164,8 @@ def cost_table_for(model: PreTrainedModel, head: DSparkHead, batch_size: int, gr
             return CostTable.load(path)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is measured again and replaced
-    table = profile_costs(model, head, batch_size=batch_size, greedy=greedy)
+    with packed_linears(model, head, enabled=pack):
+        table = profile_costs(model, head, batch_size=batch_size, greedy=greedy)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
         json.dump({**table.to_dict(), "key": key}, handle, indent=2)

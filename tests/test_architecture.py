@@ -4,7 +4,7 @@ Layers, top to bottom (a module may import only from its own layer or lower ones
 
     0  config, hf (the Transformers adapter), kernels.reference, kernels._availability
     1  sampling, kernels (public dispatch and lazy Triton modules), heads
-    2  rows, cache, telemetry
+    2  rows, cache, telemetry, packing
     3  drafting, schedule, verify
     4  profiling
     5  generation
@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "spark_generate.rows": 2,
     "spark_generate.cache": 2,
     "spark_generate.telemetry": 2,
+    "spark_generate.packing": 2,
     "spark_generate.drafting": 3,
     "spark_generate.schedule": 3,
     "spark_generate.verify": 3,

@@ -1,0 +1,124 @@
+"""Packed CPU linears: the same function as ``nn.Linear``, restored on exit, and lossless in generation.
+
+The packed path changes only the order of float32 additions, so its outputs are compared with
+``F.linear`` to a float32 tolerance, and generations with it to plain ``generate()`` token for token
+(greedy, float32 targets of three architectures, batch with left padding, an oracle drafter so
+that whole blocks are accepted, and the adaptive schedule's plain steps).
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_head
+from conftest import tiny_target as shared_tiny_target
+from test_generation import oracle, prompts
+from torch import nn
+
+import spark_generate.packing as packing
+from spark_generate import DSparkForCausalLM, decode, packed_linears
+from spark_generate.profiling import cache_folder, cost_table_for
+
+pytestmark = pytest.mark.skipif(not packing.packing_supported(), reason="this PyTorch build has no oneDNN linear")
+
+
+def tiny_target(architecture: str = "llama"):
+    """A random float32 target (vocabulary 128, pad 0, EOS 1), like test_generation's but packable."""
+    return shared_tiny_target(architecture, vocab_size=128, max_position_embeddings=256, dtype=torch.float32)
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass with its own forward: never packed."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(inputs)
+
+
+def layers_with_own_forward(model: nn.Module) -> list[nn.Module]:
+    return [layer for layer in model.modules() if "forward" in vars(layer)]
+
+
+def test_packed_linear_computes_the_same_function_and_is_restored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 96), nn.GELU(), nn.Linear(96, 24, bias=False), ScaledLinear(24, 8))
+    inputs = torch.randn(3, 5, 40)
+    with torch.no_grad():
+        expected = model(inputs)
+        with packed_linears(model) as num_packed:
+            assert num_packed == 2  # the two plain nn.Linear layers, not the subclass
+            assert len(layers_with_own_forward(model)) == 2
+            packed = model(inputs)
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+    assert not layers_with_own_forward(model)
+
+
+def test_packing_is_restored_after_an_error_and_reentrant():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.raises(RuntimeError, match="inside"), packed_linears(model):
+        raise RuntimeError("inside")
+    assert not layers_with_own_forward(model)
+    with packed_linears(model) as outer:
+        with packed_linears(model) as inner:
+            assert (outer, inner) == (2, 0)
+        assert len(layers_with_own_forward(model)) == 2  # the outer block still packs them
+    assert not layers_with_own_forward(model)
+    with packed_linears(model, enabled=False) as num_packed:
+        assert num_packed == 0 and not layers_with_own_forward(model)
+
+
+def test_gradients_changed_weights_and_float64_take_the_right_path():
+    torch.manual_seed(0)
+    layer, inputs = nn.Linear(16, 12), torch.randn(4, 16)
+    with packed_linears(layer):
+        output = layer(inputs)  # gradients on: F.linear, so backward works
+        output.sum().backward()
+        assert layer.weight.grad is not None
+    with torch.no_grad():
+        layer.weight.mul_(-3)  # changed in place: packed again at the next block
+        with packed_linears(layer):
+            torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+    layer.double()
+    with packed_linears(layer) as num_packed:
+        assert num_packed == 0  # float64 weights are not packed
+
+
+def test_resolve_pack_linears(monkeypatch):
+    target = tiny_target()
+    assert packing.resolve_pack_linears(target, None)
+    assert not packing.resolve_pack_linears(target, False)
+    assert not packing.resolve_pack_linears(target.double(), None)
+    assert packing.resolve_pack_linears(target, True)
+    monkeypatch.setenv("SPARK_GENERATE_PACK_LINEARS", "0")
+    assert not packing.resolve_pack_linears(target.float(), None)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_packed_generation_matches_plain_greedy(architecture, batch_size):
+    target = tiny_target(architecture)
+    head = tiny_head(target, block_size=5)
+    input_ids, attention_mask = prompts(batch_size)
+    plain = target.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=23)
+    for extra in ({}, oracle(plain, corrupt_seed=batch_size)):  # the default schedule; ragged accepted blocks
+        spec = target.generate(
+            input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=23, custom_generate=decode,
+            dspark_head=head, dspark_pack_linears=True, **extra,
+        )  # fmt: skip
+        assert torch.equal(plain, spec)
+    assert not layers_with_own_forward(target) and not layers_with_own_forward(head)
+
+
+def test_the_model_api_and_cost_tables_know_the_packing():
+    target = tiny_target()
+    head = tiny_head(target)
+    model = DSparkForCausalLM(target)
+    input_ids, attention_mask = prompts(2)
+    outputs = [
+        model.generate(input_ids, attention_mask=attention_mask, assistant=head, max_new_tokens=9, pack_linears=pack)
+        for pack in (True, False)
+    ]
+    assert torch.equal(*outputs)
+    tables = {pack: cost_table_for(target, head, 2, greedy=True, pack_linears=pack) for pack in (True, False)}
+    keys = [json.loads(path.read_text())["key"] for path in (cache_folder() / "costs").glob("*.json")]
+    assert {key["packed_linears"] for key in keys if key["batch_size"] == 2} == {True, False}
+    assert all(table.num_tokens == tables[True].num_tokens for table in tables.values())
