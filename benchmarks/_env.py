@@ -26,13 +26,20 @@ def smollm2_shaped_config(**overrides: object) -> LlamaConfig:
 
 
 def git_commit() -> str:
-    """Short commit of the working tree, with ``-dirty`` when it has uncommitted changes."""
+    """Short commit of the working tree, with ``-dirty`` when it has uncommitted changes.
+
+    Changes under ``benchmarks/results/`` do not count: a benchmark writing several result files
+    would otherwise mark its own later files dirty.
+    """
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
+            cwd=root, capture_output=True, text=True,
+        ).stdout  # fmt: skip
         return commit + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
