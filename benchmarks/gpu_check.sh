@@ -16,7 +16,7 @@
 #     bash benchmarks/gpu_check.sh --fetch-wheels
 #
 # then run on the device, carrying that folder (the working tree travels by itself; the shipped
-# head's 33 MB count against the 64 MiB a call may carry):
+# head's folder, 27 MB, counts against the 64 MiB a call may carry):
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
