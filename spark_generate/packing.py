@@ -16,7 +16,8 @@ compared), as they already do between a one-token decode step and a multi-token 
 
 The packed copies (one float32 copy of each packed weight: 540 MB for SmolLM2-135M) are cached per
 layer, so only the first generation pays the reordering (about 0.3 s for SmolLM2), and are freed
-with the layer, or by :func:`clear_packed_linears`. A weight changed in place (a training step) is
+with the layer, or by :func:`clear_packed_linears`; by default a model is not packed when its copies
+would take more than half of the free memory. A weight changed in place (a training step) is
 packed again. Only plain ``nn.Linear`` layers (not subclasses, which may quantize or hook their
 forward) with float32 CPU weights are packed, only while gradients are off, and only where oneDNN
 passes a one-off numerical self-check; everything else runs unchanged. ``pack_linears=False`` (or
@@ -59,9 +60,10 @@ def packing_supported() -> bool:
 def resolve_pack_linears(model: nn.Module, pack_linears: bool | None) -> bool:
     """Whether a generation on ``model`` packs its linears.
 
-    ``None`` (the default of every entry point) means: on a CPU, for a float32 model, unless
-    ``SPARK_GENERATE_PACK_LINEARS=0``; ``True`` or ``False`` force it (``True`` still packs only
-    the layers that qualify, see the module docstring).
+    ``None`` (the default of every entry point) means: on a CPU, for a float32 model whose packed
+    copies would take less than half of the free memory, unless ``SPARK_GENERATE_PACK_LINEARS=0``;
+    ``True`` or ``False`` force it (``True`` still packs only the layers that qualify, see the
+    module docstring).
     """
     if pack_linears is not None:
         return bool(pack_linears) and packing_supported()
@@ -72,7 +74,18 @@ def resolve_pack_linears(model: nn.Module, pack_linears: bool | None) -> bool:
         and parameter.device.type == "cpu"
         and parameter.dtype == torch.float32
         and packing_supported()
+        and _copies_fit_in_memory(model)
     )
+
+
+def _copies_fit_in_memory(model: nn.Module) -> bool:
+    """Whether packed copies of the model's linears would take less than half of the free memory."""
+    needed = sum(layer.weight.numel() * 4 for layer in model.modules() if _qualifies(layer) and layer not in _PACKED)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): trust the caller
+        return True
+    return needed < free // 2
 
 
 @contextlib.contextmanager

@@ -90,6 +90,11 @@ def test_resolve_pack_linears(monkeypatch):
     assert packing.resolve_pack_linears(target, True)
     monkeypatch.setenv("SPARK_GENERATE_PACK_LINEARS", "0")
     assert not packing.resolve_pack_linears(target.float(), None)
+    monkeypatch.delenv("SPARK_GENERATE_PACK_LINEARS")
+    packing.clear_packed_linears()
+    monkeypatch.setattr(packing.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else 1000)
+    assert not packing.resolve_pack_linears(target, None)  # copies larger than half of 1,000 free bytes
+    assert packing.resolve_pack_linears(target, True)  # forced
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "mistral"])
