@@ -53,6 +53,7 @@ def profile_costs(
     context_length: int = 64,
     repeats: int = 4,
     path: str | Path | None = None,
+    pack_linears: bool | None = None,
 ) -> CostTable:
     """Measures verification and drafting costs on this machine, optionally saving them as JSON.
 
@@ -70,6 +71,8 @@ def profile_costs(
         context_length: Prompt length of the measurement.
         repeats: Timings per point; the fastest is kept.
         path: Where to write the table (JSON), or None.
+        pack_linears: Measure with the linears packed as the generation will run them
+            (:func:`~spark_generate.packing.resolve_pack_linears`; None: the generation's default).
 
     Returns:
         The cost table.
@@ -77,9 +80,10 @@ def profile_costs(
     head.attach(model)
     num_drafts = head.config.num_draft_tokens
     seconds: dict[int, float] = {}
-    for rows in sorted({1, batch_size}):
-        verify_seconds, draft_seconds = _profile_batch(model, head, rows, greedy, context_length, repeats)
-        seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
+    with packed_linears(model, head, enabled=resolve_pack_linears(model, pack_linears)):
+        for rows in sorted({1, batch_size}):
+            verify_seconds, draft_seconds = _profile_batch(model, head, rows, greedy, context_length, repeats)
+            seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
     points = sorted(seconds)
     # A forward over more tokens never costs less: a timing spike at a small count (another process
     # on the machine) is replaced by the cheapest larger count, so the table is non-decreasing.
@@ -147,7 +151,7 @@ def cost_table_for(
 ) -> CostTable:
     """This machine's cost table for ``model``, ``head``, ``batch_size`` and sampling mode: cached, else profiled once.
 
-    Profiled with the linear layers packed or not as the generation will run them
+    Keyed and profiled with the linear layers packed or not as the generation will run them
     (``pack_linears`` as in :func:`~spark_generate.packing.resolve_pack_linears`). With
     ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
     """
@@ -164,8 +168,7 @@ def cost_table_for(
             return CostTable.load(path)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is measured again and replaced
-    with packed_linears(model, head, enabled=pack):
-        table = profile_costs(model, head, batch_size=batch_size, greedy=greedy)
+    table = profile_costs(model, head, batch_size=batch_size, greedy=greedy, pack_linears=pack)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
         json.dump({**table.to_dict(), "key": key}, handle, indent=2)

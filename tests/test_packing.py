@@ -17,7 +17,7 @@ from torch import nn
 
 import spark_generate.packing as packing
 from spark_generate import DSparkForCausalLM, decode, packed_linears
-from spark_generate.profiling import cache_folder, cost_table_for
+from spark_generate.profiling import cache_folder, cost_table_for, profile_costs
 
 pytestmark = pytest.mark.skipif(not packing.packing_supported(), reason="this PyTorch build has no oneDNN linear")
 
@@ -127,3 +127,16 @@ def test_the_model_api_and_cost_tables_know_the_packing():
     keys = [json.loads(path.read_text())["key"] for path in (cache_folder() / "costs").glob("*.json")]
     assert {key["packed_linears"] for key in keys if key["batch_size"] == 2} == {True, False}
     assert all(table.num_tokens == tables[True].num_tokens for table in tables.values())
+
+
+def test_profile_costs_measures_the_packing_it_is_given(monkeypatch):
+    target = tiny_target()
+    head = tiny_head(target)
+    calls = []
+    packed_forward = packing._packed_forward
+    monkeypatch.setattr(packing, "_packed_forward", lambda *args: calls.append(1) or packed_forward(*args))
+    for pack in (False, True):
+        calls.clear()
+        profile_costs(target, head, batch_size=2, context_length=8, repeats=1, pack_linears=pack)
+        assert bool(calls) == pack
+        assert not layers_with_own_forward(target) and not layers_with_own_forward(head)
