@@ -6,7 +6,9 @@ with the project's own `Trainer`, in two modes at equal settings:
 
 * ``in-process``: the target computes its tapped features and final hidden states on every batch;
 * ``feature-cache``: they are read from a cache built once beforehand (`build_feature_cache`,
-  bfloat16 on disk), so a step runs only the head and the target's LM head.
+  bfloat16 on disk), so a step runs only the head and the target's LM head;
+* ``feature-cache-compiled``: the same with ``compile_loss=True`` (the objective through
+  ``torch.compile``; its compilation happens in the warm-up step).
 
 The cache is built first (its build rate and size are recorded). Each mode then runs in its own
 process, so its peak memory is its own: a one-step run warms up, and a second run of ``--steps``
@@ -41,7 +43,7 @@ from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build
 from spark_generate.training.data import TokenDataset
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train_cpu.csv"
-MODES = ("in-process", "feature-cache")
+MODES = ("in-process", "feature-cache", "feature-cache-compiled")
 
 
 def setup(args: argparse.Namespace) -> tuple[LlamaForCausalLM, DSparkHead, TokenDataset, PreTrainedTokenizerFast]:
@@ -61,12 +63,13 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     """Trains in ``args.mode`` (warm-up step, then ``args.steps`` timed steps); returns the mode's row."""
     target, head, dataset, tokenizer = setup(args)
     cache = None
-    if args.mode == "feature-cache":
+    if args.mode.startswith("feature-cache"):
         taps = list(head.config.target_layer_ids)
         cache = FeatureCache.open(args.cache, target=target, tokenizer=tokenizer, dataset=dataset, layer_ids=taps)
     with tempfile.TemporaryDirectory() as output_dir:
         warm_up = TrainingConfig(output_dir=output_dir, num_steps=1, batch_size=args.batch_size,
-                                 num_anchors=args.num_anchors, progress=False)  # fmt: skip
+                                 num_anchors=args.num_anchors, compile_loss=args.mode.endswith("compiled"),
+                                 progress=False)  # fmt: skip
         Trainer(head, target, dataset, warm_up, feature_cache=cache).train()
         timed = dataclasses.replace(warm_up, num_steps=args.steps)
         trainer = Trainer(head, target, dataset, timed, feature_cache=cache)
@@ -121,7 +124,7 @@ def main() -> None:
     num_tokens = len(dataset) * args.sequence_length
     rows = []
     for row in measured:
-        cached = row["mode"] == "feature-cache"
+        cached = row["mode"] == "feature-cache"  # the build's figures, once
         rows.append({
             "target": "smollm2-135m-shape", "block_size": 7, "draft_layers": 1, "taps": len(taps),
             "sequence_length": args.sequence_length, "batch_size": args.batch_size, "num_anchors": args.num_anchors,

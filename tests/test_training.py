@@ -7,6 +7,7 @@ are saved).
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -89,6 +90,63 @@ def test_resume_reaches_bit_identical_weights(tmp_path):
     assert history[0]["learning_rate"] > history[-1]["learning_rate"]  # the cosine decay, step by step
     plot_history(history, tmp_path / "curve.png", window=2)
     assert (tmp_path / "curve.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_warm_started_run_continues_from_the_other_runs_weights(tmp_path):
+    """A second stage equals a run begun by hand from the first stage's weights, and resumes bit for bit."""
+    target = tiny_target()
+    first = tiny_head(target)
+    stage_one = Trainer(first, target, dataset(), settings(tmp_path / "one")).train()
+    second_stage = {"seed": 1, "learning_rate": 3e-4}
+
+    by_hand = tiny_head(target)
+    by_hand.load_state_dict(first.state_dict())
+    Trainer(by_hand, target, dataset(), settings(tmp_path / "by-hand", **second_stage)).train()
+
+    warm = tiny_head(target)  # fresh weights, overwritten by stage one's
+    assert not torch.equal(warm.fc.weight, first.fc.weight)
+    half = Trainer(warm, target, dataset(), settings(tmp_path / "two", **second_stage)).train(
+        warm_start_from=stage_one.checkpoint, stop_after=2
+    )
+    resumed = tiny_head(target)
+    end = Trainer(resumed, target, dataset(), settings(tmp_path / "two", **second_stage)).train(
+        resume_from=half.checkpoint
+    )
+    for name, value in by_hand.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    provenance = json.loads((end.checkpoint / "provenance.json").read_text())
+    assert provenance["warm_start"] == {"checkpoint": str(stage_one.checkpoint), "step": 4}
+    history = json.loads((end.checkpoint / "history.json").read_text())
+    assert [record["step"] for record in history] == [1, 2, 3, 4]  # this stage's own curve
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="needs a C++ compiler")
+def test_a_compiled_loss_trains_the_same_head(tmp_path):
+    """compile_loss fuses the objective's passes: the same steps, up to float32 rounding."""
+    target = tiny_target()
+    eager, compiled = tiny_head(target), tiny_head(target)
+    Trainer(eager, target, dataset(), settings(tmp_path / "eager", num_steps=2)).train()
+    result = Trainer(
+        compiled, target, dataset(), settings(tmp_path / "compiled", num_steps=2, compile_loss=True)
+    ).train()
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(compiled.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    history = json.loads((result.checkpoint / "history.json").read_text())
+    expected = json.loads((tmp_path / "eager" / "checkpoint-0000002" / "history.json").read_text())
+    assert [record["loss"] for record in history] == pytest.approx([record["loss"] for record in expected], rel=1e-4)
+
+
+def test_warm_start_refuses_ambiguous_or_mismatched_checkpoints(tmp_path):
+    target = tiny_target()
+    stage_one = Trainer(tiny_head(target), target, dataset(), settings(tmp_path / "one", num_steps=1)).train()
+    trainer = Trainer(tiny_head(target), target, dataset(), settings(tmp_path / "two"))
+    with pytest.raises(ValueError, match="give one"):
+        trainer.train(resume_from=stage_one.checkpoint, warm_start_from=stage_one.checkpoint)
+    other = Trainer(
+        tiny_head(target, markov_rank=0, enable_confidence_head=False), target, dataset(), settings(tmp_path / "three")
+    )
+    with pytest.raises(ValueError, match="another configuration"):
+        other.train(warm_start_from=stage_one.checkpoint)
 
 
 def test_a_run_stopped_by_its_time_budget_resumes_bit_for_bit(tmp_path, monkeypatch):
