@@ -5,9 +5,11 @@ order and the anchors are functions of the seed and the step, the optimizer and 
 are saved).
 """
 
+import functools
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from spark_generate.training import (
     write_jsonl,
 )
 from spark_generate.training.evaluation import plot_history
+from spark_generate.training.provenance import git_commit
 
 VOCAB = 96
 
@@ -298,3 +301,21 @@ def test_draft_vocabulary_takes_the_most_frequent_learned_tokens():
     assert draft_vocab_from_data(data, 5, VOCAB).tolist() == [0, 1, 3, 5, 9]
     with pytest.raises(ValueError, match="expected 1 to 96"):
         draft_vocab_from_data(data, 0, VOCAB)
+
+
+def test_provenance_marks_a_run_of_uncommitted_code(tmp_path):
+    run = functools.partial(subprocess.run, cwd=tmp_path, check=True, capture_output=True)
+    run(["git", "init", "-q"])
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "model_cards").mkdir()
+    (tmp_path / "model_cards" / "card.md").write_text("v1\n")
+    run(["git", "add", "."])
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"])
+    head = run(["git", "rev-parse", "HEAD"], text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "model_cards" / "card.md").write_text("v2\n")  # what an export writes: not the code
+    (tmp_path / "untracked.txt").write_text("scratch\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path.parent / "not-a-checkout-at-all") is None

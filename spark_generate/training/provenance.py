@@ -37,20 +37,28 @@ def target_identity(target: PreTrainedModel) -> dict[str, Any]:
     }
 
 
-def git_commit() -> str | None:
-    """The commit of the source tree this package runs from, or None outside a git checkout."""
+def git_commit(path: str | Path | None = None) -> str | None:
+    """The commit of the source tree this package runs from, or None outside a git checkout.
+
+    ``-dirty`` is appended when tracked files differ from that commit (a run of uncommitted code),
+    leaving out what training and benchmarks write themselves (``model_cards/``, ``benchmarks/results/``).
+
+    Args:
+        path: A folder inside the checkout (default: this package's).
+    """
+    folder = Path(__file__).resolve().parent if path is None else Path(path)
+    excluded = [":(top,exclude)model_cards", ":(top,exclude)benchmarks/results"]
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        )
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", *excluded],
+            cwd=folder, capture_output=True, text=True, check=True, timeout=10,
+        ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    return (head + ("-dirty" if changes.strip() else "")) or None
 
 
 def package_versions() -> dict[str, str | None]:
