@@ -524,14 +524,15 @@ class Trainer:
             )
         try:
             state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
-            int(state["step"])
+            state["step"] = int(state["step"])
         except Exception as error:
             raise ValueError(
                 f"{checkpoint / TRAINER_STATE} is missing or corrupt ({error!r}); expected the trainer state "
                 "written with the checkpoint. Resume from another checkpoint."
             ) from error
-        if set(state.get("reparametrized", {})) != set(_reparametrized(self.head)):
-            scaled = "trained on scaled features" if state.get("reparametrized") else "trained on raw features"
+        reparametrized = state.setdefault("reparametrized", {})  # absent in checkpoints of older versions
+        if set(reparametrized) != set(_reparametrized(self.head)):
+            scaled = "trained on scaled features" if reparametrized else "trained on raw features"
             raise ValueError(
                 f"{checkpoint} was {scaled}, the head given to this trainer is not: resume with a head set up as "
                 "the run began (head.scale_target_features(scale) before the Trainer, or not), any scale."
@@ -546,7 +547,7 @@ class Trainer:
         """
         own = self.head.state_dict()
         with torch.no_grad():
-            for name, tensor in [*loaded.state_dict().items(), *state.get("reparametrized", {}).items()]:
+            for name, tensor in [*loaded.state_dict().items(), *state["reparametrized"].items()]:
                 if name in own:
                     own[name].copy_(tensor)
 
@@ -565,10 +566,10 @@ class Trainer:
         history = checkpoint / HISTORY  # absent in checkpoints of older versions: the curve starts here
         self.history = json.loads(history.read_text()) if history.exists() else []
         self._copy_weights(loaded, state)
-        return int(state["step"])
+        return state["step"]
 
     def _warm_start(self, checkpoint: Path) -> None:
         """Starts this run from a checkpoint's weights (of another run): new optimizer, schedule and history."""
         loaded, state = self._read(checkpoint)
-        self.warm_start = {"checkpoint": str(checkpoint), "step": int(state["step"])}
+        self.warm_start = {"checkpoint": str(checkpoint), "step": state["step"]}
         self._copy_weights(loaded, state)
