@@ -112,9 +112,18 @@ ARCHIVE = Path(__file__).resolve().parent / "data"  # the corpus, xz-compressed 
 CORPUS_SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
 
 
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
 def _latest_checkpoint(folder: Path) -> Path | None:
-    checkpoints = sorted(folder.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    checkpoints = sorted(folder.glob("checkpoint-*"), key=_step)
     return checkpoints[-1] if checkpoints else None
+
+
+def _finished(checkpoint: Path | None, settings: dict) -> bool:
+    """Whether ``checkpoint`` is the last one of a stage run with ``settings``."""
+    return checkpoint is not None and _step(checkpoint) == settings["num_steps"]
 
 
 def restore_corpus() -> None:
@@ -198,10 +207,15 @@ def final_run(workdir: Path, variant: str) -> Path:
     return workdir / f"{variant}{list(STAGES)[-1]}"
 
 
+def report(workdir: Path, kind: str, variant: str) -> Path:
+    """``<workdir>/<kind>-<final run>.json`` (``eval`` or ``calibration``): named after the weights it describes."""
+    return workdir / f"{kind}-{final_run(workdir, variant).name}.json"
+
+
 def final_checkpoint(workdir: Path, variant: str) -> Path:
     run = final_run(workdir, variant)
     checkpoint = _latest_checkpoint(run)
-    if checkpoint is None or int(checkpoint.name.split("-")[1]) != STAGES[run.name.removeprefix(variant)]["num_steps"]:
+    if not _finished(checkpoint, list(STAGES.values())[-1]):
         raise SystemExit(f"{variant}: training is not finished ({run} has no final checkpoint): run --stage train.")
     return checkpoint
 
@@ -228,7 +242,7 @@ def _train_stage(output_dir: Path, variant: str, settings: dict, warm_start: Pat
                  train: TokenDataset, max_minutes: float | None) -> Path | None:  # fmt: skip
     """One training stage in ``output_dir``, from scratch or from ``warm_start``; its final checkpoint once done."""
     resume = _latest_checkpoint(output_dir)
-    if resume is not None and int(resume.name.split("-")[1]) == settings["num_steps"]:
+    if _finished(resume, settings):
         return resume
     cache = FeatureCache.open(output_dir.parent / "features", target=target, tokenizer=tokenizer, dataset=train,
                               layer_ids=layer_ids(target), verify_checksums=False)  # fmt: skip
@@ -243,7 +257,7 @@ def _train_stage(output_dir: Path, variant: str, settings: dict, warm_start: Pat
     trainer = Trainer(head, target, train, config, feature_cache=cache)
     start = {"resume_from": resume} if resume is not None else {"warm_start_from": warm_start}
     checkpoint = trainer.train(max_minutes=max_minutes, **start).checkpoint
-    return checkpoint if int(checkpoint.name.split("-")[1]) == settings["num_steps"] else None
+    return checkpoint if _finished(checkpoint, settings) else None
 
 
 def _token_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -256,7 +270,7 @@ def _prompt_part(document: tuple[int, ...], mask: tuple[int, ...]) -> list[int]:
 
 
 def stage_calibrate(workdir: Path, target, calibration: TokenDataset) -> Path:
-    output = workdir / f"calibration-{final_run(workdir, 'dspark').name}.json"
+    output = report(workdir, "calibration", "dspark")
     if output.exists():
         return output
     head = DSparkHead.from_pretrained(final_checkpoint(workdir, "dspark")).attach(target)
@@ -270,7 +284,7 @@ def stage_calibrate(workdir: Path, target, calibration: TokenDataset) -> Path:
 
 
 def stage_eval(workdir: Path, variant: str, target, tokenizer, heldout: TokenDataset) -> Path:
-    output = workdir / f"eval-{final_run(workdir, variant).name}.json"
+    output = report(workdir, "eval", variant)
     if output.exists():
         return output
     head = DSparkHead.from_pretrained(final_checkpoint(workdir, variant)).attach(target)
@@ -295,7 +309,7 @@ def stage_export(workdir: Path, variant: str) -> Path:
     shutil.copy(checkpoint / "provenance.json", destination / "provenance.json")
     plot_history(full_history(workdir, variant), destination / "learning_curve.png")
     if variant == "dspark":
-        shutil.copy(workdir / f"calibration-{checkpoint.parent.name}.json", destination / "calibration.json")
+        shutil.copy(report(workdir, "calibration", variant), destination / "calibration.json")
         write_card(workdir, destination)
     return destination
 
@@ -316,23 +330,22 @@ def write_card(workdir: Path, destination: Path) -> None:
     provenance = json.loads((destination / "provenance.json").read_text())
     calibration = json.loads((destination / "calibration.json").read_text())
     results: dict[str, object] = {}
-    ablation_eval = workdir / f"eval-{final_run(workdir, 'dflash').name}.json"
+    ablation_eval = report(workdir, "eval", "dflash")
     ablation = json.loads(ablation_eval.read_text()) if ablation_eval.exists() else {}
-    dspark_run = final_run(workdir, "dspark").name
-    for domain, report in json.loads((workdir / f"eval-{dspark_run}.json").read_text()).items():
+    for domain, entry in json.loads(report(workdir, "eval", "dspark").read_text()).items():
         if domain == "teacher_forced_heldout":
             results["teacher-forced greedy decoding tau, held-out training-split documents"] = (
-                f"{report['greedy_tau']:.2f} ({report['num_documents']} documents)"
+                f"{entry['greedy_tau']:.2f} ({entry['num_documents']} documents)"
             )
             continue
-        results[f"tau, {domain} (greedy, block 7)"] = f"{report['tau']:.2f}"
+        results[f"tau, {domain} (greedy, block 7)"] = f"{entry['tau']:.2f}"
         if domain in ablation:
             results[f"tau of the DFlash ablation, {domain}"] = f"{ablation[domain]['tau']:.2f}"
         results[f"acceptance by position, {domain}"] = " / ".join(
-            f"{rate:.2f}" for rate in report["acceptance_by_position"]
+            f"{rate:.2f}" for rate in entry["acceptance_by_position"]
         )
         results[f"speed-up vs plain generate(), {domain}"] = (
-            f"{report['speedup']:.2f}x (batch 1, CPU, whole block verified; the peer benchmark below has the default)"
+            f"{entry['speedup']:.2f}x (batch 1, CPU, whole block verified; the peer benchmark below has the default)"
         )
     results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in calibration["temperatures"])
     num_documents = provenance["data"]["num_sequences"]
@@ -356,7 +369,7 @@ def write_card(workdir: Path, destination: Path) -> None:
     )
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     text = str(card)
-    reliability = workdir / f"calibration-{dspark_run}.png"
+    reliability = report(workdir, "calibration", "dspark").with_suffix(".png")
     if reliability.exists():
         shutil.copy(reliability, destination / "reliability.png")
     text += (
