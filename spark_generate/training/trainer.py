@@ -249,8 +249,9 @@ def _check_cache(cache: FeatureCache, target_sha256: str, head: DSparkHead, data
         problems.append(f"documents of SHA-256 {cache.data_sha256}, not those of {dataset.description}")
     if problems:
         raise FeatureCacheError(
-            f"the feature cache {cache.path} does not serve this run: it has " + "; ".join(problems) + ". Open "
-            "the cache with this run's target, head taps and dataset, or build one for them."
+            f"the feature cache {', '.join(map(str, cache.paths))} does not serve this run: it has "
+            f"{'; '.join(problems)}. Open the cache with this run's target, head taps and dataset, or build one "
+            "for them."
         )
 
 
@@ -501,7 +502,7 @@ class Trainer:
             "step": step,
             "target": self._target_identity,
             "data": {"description": self.dataset.description, "num_sequences": len(self.dataset)},
-            "feature_cache": None if cache is None else {"path": str(cache.path), "dtype": cache.manifest["dtype"]},
+            "feature_cache": None if cache is None else {"paths": list(map(str, cache.paths)), "dtype": cache.dtype},
             "git_commit": git_commit(),
             "packages": package_versions(),
             "argv": list(sys.argv),
