@@ -106,6 +106,23 @@ def test_the_committed_corpora_are_consistent_and_restore_into_an_empty_cache(tm
     assert json.loads(restored.with_name(restored.name + ".progress.json").read_text()) == progress
 
 
+def test_the_held_out_documents_split_by_the_domain_of_their_prompt(tmp_path, monkeypatch, smollm2):
+    """The recipe's per-domain teacher-forced evaluation covers the held-out documents once, each under its domain."""
+    recipe = _recipe()
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    corpus = recipe.CORPORA["greedy"]
+    recipe.restore_corpus(corpus)
+    heldout = recipe.split_corpus(corpus)["heldout"]
+    by_domain = recipe.heldout_by_domain(corpus)
+    assert list(by_domain) == list(prompt_sets.DOMAINS)
+    assert sorted(sum((part.sequences for part in by_domain.values()), ())) == sorted(heldout.sequences)
+    tokenizer = smollm2[1]
+    for domain, documents in by_domain.items():
+        prompts = {tuple(recipe.prompt_ids(tokenizer, prompt)) for prompt in prompt_sets.load_prompts(domain, "train")}
+        for sequence, mask in zip(documents.sequences, documents.loss_masks, strict=True):
+            assert tuple(sequence[: mask.index(1)]) in prompts
+
+
 def _recipe():
     """``examples/train_smollm2_head.py`` as a module."""
     path = Path(__file__).resolve().parents[1] / "examples" / "train_smollm2_head.py"
