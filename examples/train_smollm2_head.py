@@ -394,8 +394,8 @@ def stage_eval(workdir: Path, variant: str, target, tokenizer, heldout: dict[str
     }
     forced = functools.reduce(operator.add, walks.values())
     num_documents = sum(len(documents) for documents in heldout.values())
-    print(f"{variant}: teacher-forced greedy decoding tau on {num_documents} held-out documents: {forced.tau:.3f} ("
-          + ", ".join(f"{domain} {walk.tau:.3f}" for domain, walk in walks.items()) + ")")  # fmt: skip
+    parts = ", ".join(f"{domain} {walk.tau:.3f}" for domain, walk in walks.items())
+    print(f"{variant}: teacher-forced greedy tau on {num_documents} held-out documents: {forced.tau:.3f} ({parts})")
     reports = {}
     for domain in prompt_sets.DOMAINS:
         prompts = _token_prompts(tokenizer, prompt_sets.load_prompts(domain, "eval")[:EVAL_PROMPTS_PER_DOMAIN])
