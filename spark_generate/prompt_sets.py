@@ -54,10 +54,13 @@ __all__ = [
     "INSTALL",
     "SPLITS",
     "TRAINING_SETS",
+    "NearDuplicateIndex",
+    "evaluation_prompts",
     "load_prompts",
     "mixed_training_prompts",
     "near_duplicates",
     "training_prompts",
+    "word_shingles",
 ]
 
 DOMAINS = ("code", "math", "chat")
@@ -214,6 +217,56 @@ def _shingles(text: str) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + NEAR_DUPLICATE_NGRAM]) for i in range(len(words) - NEAR_DUPLICATE_NGRAM + 1)}
 
 
+def word_shingles(text: str) -> set[tuple[str, ...]]:
+    """The word 5-grams :func:`near_duplicates` compares: lower case, punctuation dropped, numbers read as ``0``.
+
+    A text of five words or fewer is one shingle of all its words.
+    """
+    return _shingles(text)
+
+
+class NearDuplicateIndex:
+    """Reference texts indexed by their word 5-grams, to look many candidates up against them.
+
+    This is the test of :func:`near_duplicates`, built once: a 5-gram that occurs in
+    ``BOILERPLATE_MIN_PROMPTS`` or more references is ignored, and a candidate's *containment* in a
+    reference is the share of the remaining 5-grams of the shorter of the two that the other holds.
+    A look-up reads only the references that share a 5-gram with the candidate.
+
+    Args:
+        references: The texts to protect (such as :func:`evaluation_prompts`).
+        containment: The containment from which a candidate nearly repeats a reference.
+    """
+
+    def __init__(self, references: Sequence[str], containment: float = NEAR_DUPLICATE_CONTAINMENT) -> None:
+        self.containment = containment
+        reference_shingles = [_shingles(text) for text in references]
+        counts = Counter(itertools.chain.from_iterable(reference_shingles))
+        self._boilerplate = {shingle for shingle, count in counts.items() if count >= BOILERPLATE_MIN_PROMPTS}
+        self._index: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        self._sizes: list[int] = []
+        for number, shingles in enumerate(reference_shingles):
+            content = shingles - self._boilerplate
+            self._sizes.append(len(content))
+            for shingle in content:
+                self._index[shingle].append(number)
+
+    def overlap(self, text: str) -> tuple[float, int | None]:
+        """The largest containment of ``text`` in a reference, and which reference (None when none shares a 5-gram)."""
+        content = _shingles(text) - self._boilerplate
+        shared = Counter(itertools.chain.from_iterable(self._index.get(shingle, ()) for shingle in content))
+        best, best_reference = 0.0, None
+        for reference, count in sorted(shared.items()):
+            value = count / min(len(content), self._sizes[reference])
+            if value > best:
+                best, best_reference = value, reference
+        return best, best_reference
+
+    def is_near_duplicate(self, text: str) -> bool:
+        """Whether ``text`` nearly repeats a reference (its containment reaches ``containment``)."""
+        return self.overlap(text)[0] >= self.containment
+
+
 def near_duplicates(candidates: Sequence[str], references: Sequence[str]) -> list[bool]:
     """Which candidates nearly repeat one of the references.
 
@@ -223,7 +276,7 @@ def near_duplicates(candidates: Sequence[str], references: Sequence[str]) -> lis
     sentence every GSM-Symbolic question ends with), and is ignored. A candidate nearly repeats a
     reference when at least ``NEAR_DUPLICATE_CONTAINMENT`` of the remaining 5-grams of the shorter
     of the two also occur in the other; so a candidate that quotes a reference inside a longer
-    request is caught as well.
+    request is caught as well (:class:`NearDuplicateIndex` is the same test, indexed once).
 
     Example: with ``references = ["Sam has 3 apples and buys 4 more. How many apples?"]``, the
     candidate ``"sam has 12 apples and buys 1 more. How many apples"`` is a near-duplicate.
@@ -231,24 +284,8 @@ def near_duplicates(candidates: Sequence[str], references: Sequence[str]) -> lis
     Returns:
         One flag per candidate.
     """
-    reference_shingles = [_shingles(text) for text in references]
-    counts = Counter(itertools.chain.from_iterable(reference_shingles))
-    boilerplate = {shingle for shingle, count in counts.items() if count >= BOILERPLATE_MIN_PROMPTS}
-    index: dict[tuple[str, ...], list[int]] = defaultdict(list)
-    sizes = []
-    for number, shingles in enumerate(reference_shingles):
-        content = shingles - boilerplate
-        sizes.append(len(content))
-        for shingle in content:
-            index[shingle].append(number)
-    flags = []
-    for text in candidates:
-        content = _shingles(text) - boilerplate
-        shared = Counter(itertools.chain.from_iterable(index.get(shingle, ()) for shingle in content))
-        flags.append(
-            any(count >= NEAR_DUPLICATE_CONTAINMENT * min(len(content), sizes[r]) for r, count in shared.items())
-        )
-    return flags
+    index = NearDuplicateIndex(references)
+    return [index.is_near_duplicate(text) for text in candidates]
 
 
 # ------------------------------------------------------------------------------------ splits
@@ -256,6 +293,11 @@ def near_duplicates(candidates: Sequence[str], references: Sequence[str]) -> lis
 
 def _evaluation_prompts() -> list[str]:
     return list(itertools.chain.from_iterable(_LOADERS[domain]("eval", 0) for domain in DOMAINS))
+
+
+def evaluation_prompts() -> list[str]:
+    """Every evaluation prompt of every domain, in ``DOMAINS`` order: what no training prompt may nearly repeat."""
+    return _evaluation_prompts()
 
 
 def _training(domain: str, seed: int, held_out: Sequence[str]) -> list[str]:

@@ -7,11 +7,14 @@
 * :mod:`~spark_generate.training.feature_cache`: the target's states on disk, built once, read every epoch;
 * :mod:`~spark_generate.training.trainer`: the :class:`Trainer` (Accelerate, checkpoints, resume);
 * :mod:`~spark_generate.training.provenance`: what a checkpoint was trained from;
+* :mod:`~spark_generate.training.prompt_synthesis`: training prompts without a dataset (Magpie,
+  reasoning-gym, the standard library), filtered, deduplicated and kept apart from the evaluation;
 * :mod:`~spark_generate.training.regenerate`: on-policy data, the target answering prompts;
 * :mod:`~spark_generate.training.evaluation`: teacher-forced and online metrics;
 * :mod:`~spark_generate.training.calibration`: STS temperatures for the confidence head.
 
-The last three are imported on their own (evaluation and calibration load the generation stack).
+The last four are imported on their own (evaluation and calibration load the generation stack,
+prompt synthesis imports reasoning-gym and the standard library on demand).
 """
 
 from spark_generate.training.anchors import AnchorBatch, BlockTargets, block_targets, sample_anchors
