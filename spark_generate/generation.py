@@ -9,9 +9,11 @@ and prepared the attention mask; this module runs the decoding itself.
    That token is the first *anchor*: committed, but not yet seen by the target.
 2. **Speculative step** (:func:`speculative_step`), repeated:
 
-   a. ask the schedule whether this round drafts; if so, draft a block after each anchor
-      (:class:`~spark_generate.drafting.Drafter`) and let the schedule choose how many drafts each
-      row verifies (:mod:`spark_generate.schedule`); if not, the round is a plain decoding step;
+   a. let the suffix drafter (if any) propose a continuation of each row from what was already
+      written, and ask the schedule where each row drafts this round: from the suffix index, from
+      the head (one pass for every row, :class:`~spark_generate.drafting.Drafter`), or not at all
+      (a plain decoding step for that row); then let it choose how many drafts each row verifies
+      (:mod:`spark_generate.schedule`);
    b. run the target once over ``[anchor, drafts]``, process its logits position by position and
       accept a prefix plus one recovered or bonus token (:func:`~spark_generate.verify.verify_block`);
    c. commit the emitted tokens one at a time through the stopping criteria (an EOS, a stop string
@@ -29,6 +31,7 @@ only on its seed, its own tokens and the schedule's plan.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -45,21 +48,28 @@ from spark_generate.profiling import cost_table_for
 from spark_generate.rows import UNSEEN_POSITION, RowPrefixes, Sampling, apply_processors, rows_by_length
 from spark_generate.sampling import sample
 from spark_generate.schedule import AdaptiveSchedule, Schedule, ScheduleRun, start_schedule
-from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats, record_step, stack_per_step
+from spark_generate.suffix import CorpusIndex, SuffixDrafter
+from spark_generate.telemetry import DraftSource, DSparkGenerateOutput, SpeculativeStats, record_step, stack_per_step
 from spark_generate.verify import check_finite, verify_block
 
 __all__ = [
+    "SUFFIX_BY_DEFAULT",
     "check_generation_config",
     "decode",
     "resolve_schedule",
     "speculative_generate",
     "speculative_step",
+    "suffix_drafter",
+    "suffix_enabled",
 ]
 
 # While the schedule steps aside, the draft context of the tokens committed since the last draft
 # is kept up to this many rows per row; older ones are never shown to the head (a probing round
 # then costs one backbone pass over at most this many rows, whatever the gap).
 MAX_CATCH_UP_ROWS = 32
+
+# Suffix drafting beside the head (and alone without one) unless a call turns it off.
+SUFFIX_BY_DEFAULT = True
 
 # Finished rows leave the batch together once they are at least a quarter of it (see drop_finished_rows).
 DROP_FRACTION = 4
@@ -70,13 +80,14 @@ class DecodeSettings:
     """What stays fixed during one generation."""
 
     target: PreTrainedModel
-    num_draft_tokens: int
+    num_draft_tokens: int  # slots of a round's block: the widest drafter's
+    head_slots: int  # the head's draft slots, 0 without a head
     logits_processor: LogitsProcessorList
     warpers: LogitsProcessorList  # the processors that also apply to draft logits
     stopping_criteria: StoppingCriteriaList
     max_length: int
     cache_kwarg: str
-    tap: FeatureTap
+    tap: FeatureTap | None  # None without a head
     streamer: object | None
 
 
@@ -92,14 +103,17 @@ class RunningRows:
     sampling: Sampling  # seeds [R]
     anchor_positions: torch.Tensor  # [R]
     cache_mask: torch.Tensor  # [R, C]
-    context: DraftContext  # [R, C_new, ·]
+    context: DraftContext | None  # [R, C_new, ·]; None without a head
     cache: Cache
-    drafter: Drafter
+    drafter: Drafter | None  # the head's
+    suffix: Drafter | None
 
     def select(self, keep: torch.Tensor) -> None:
         """Keeps the rows ``keep`` (``[R']`` indices into the running rows) in every field."""
         for field in fields(self):
             value = getattr(self, field.name)
+            if value is None:
+                continue
             if isinstance(value, torch.Tensor):
                 setattr(self, field.name, value[keep])
             elif isinstance(value, Cache):
@@ -154,6 +168,7 @@ def decode(
     dspark_schedule: Schedule | AdaptiveSchedule | None = None,
     dspark_drafter: Callable[[DSparkHead], Drafter] | None = None,
     dspark_pack_linears: bool | None = None,
+    dspark_suffix: bool | CorpusIndex | None = None,
     **model_kwargs: object,
 ) -> torch.Tensor | DSparkGenerateOutput:
     """DSpark decoding as a ``custom_generate`` callable for any Transformers causal LM.
@@ -175,30 +190,37 @@ def decode(
         logits_processor: Passed by ``generate()``.
         stopping_criteria: Passed by ``generate()``.
         generation_config: Passed by ``generate()``.
-        dspark_head: The draft head for this target.
+        dspark_head: The draft head for this target; it drafts in the target's dtype (a head in
+            another dtype drafts through a copy, see :meth:`~spark_generate.heads.DSparkHead.for_drafting`).
         dspark_streamer: A Transformers streamer (batch size 1); gets the prompt, then each
             committed chunk.
         dspark_seed: Philox seed: an ``int`` (per-row seeds derived from it) or int64 ``[B]``
             (a row's output then depends only on its seed and the schedule's plan); None draws
             seeds from torch's global generator, so ``torch.manual_seed`` makes runs reproducible.
         dspark_schedule: How many drafts to verify per step, and whether to draft at all; default
-            :class:`~spark_generate.schedule.AdaptiveSchedule`.
+            :class:`~spark_generate.schedule.AdaptiveSchedule` with the head's ``sts_temperatures``.
         dspark_drafter: Builds the drafter of this generation from the head, instead of
             :class:`~spark_generate.drafting.HeadDrafter` (the head still names the tapped layers
             and the block size); for tests and other drafters.
         dspark_pack_linears: Run the float32 CPU linear layers of the target and head through
             oneDNN with pre-packed weights (:mod:`spark_generate.packing`); None: on a CPU for a
             float32 target, unless ``SPARK_GENERATE_PACK_LINEARS=0``.
+        dspark_suffix: Suffix drafting (:mod:`spark_generate.suffix`) beside the head, chosen
+            per row and round by the schedule: None or True on (:data:`SUFFIX_BY_DEFAULT`), a
+            :class:`~spark_generate.suffix.CorpusIndex` on with that corpus of earlier texts,
+            False off. Without a head it is the only drafter.
         **model_kwargs: ``attention_mask`` and the cache ``generate()`` prepared.
 
     Returns:
         ``[B, P + N]`` sequences, or a :class:`DSparkGenerateOutput` with
         ``return_dict_in_generate=True``.
     """
-    if dspark_head is None:
+    suffix = suffix_drafter(dspark_suffix)
+    if dspark_head is None and suffix is None:
         raise ValueError(
-            "spark_generate.decode needs a draft head: pass dspark_head=DSparkHead.from_pretrained(...) "
-            "to generate(), or use DSparkForCausalLM(model).generate(..., assistant=head)."
+            "spark_generate.decode needs a drafter: pass dspark_head=DSparkHead.from_pretrained(...) to generate() "
+            "(or use DSparkForCausalLM(model).generate(..., assistant=head)), or leave suffix drafting on "
+            f"(dspark_suffix was {dspark_suffix!r})."
         )
     attention_mask = model_kwargs.pop("attention_mask", None)
     cache = take_cache(model, model_kwargs)
@@ -213,7 +235,7 @@ def decode(
         model, dspark_head, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         generation_config=generation_config, attention_mask=attention_mask, schedule=dspark_schedule,
         seed=dspark_seed, streamer=dspark_streamer, cache=cache, drafter=dspark_drafter,
-        pack_linears=dspark_pack_linears,
+        pack_linears=dspark_pack_linears, suffix=suffix,
     )  # fmt: skip
 
 
@@ -232,11 +254,23 @@ def speculative_generate(
     cache: Cache | None = None,
     drafter: Callable[[DSparkHead], Drafter] | None = None,
     pack_linears: bool | None = None,
+    suffix: SuffixDrafter | None = None,
 ) -> torch.Tensor | DSparkGenerateOutput:
-    """Prefills, then runs speculative steps until every row has stopped (arguments as in :func:`decode`)."""
+    """Prefills, then runs speculative steps until every row has stopped (arguments as in :func:`decode`).
+
+    ``head`` may be None when ``suffix`` (this generation's suffix drafter) is given.
+    """
     check_generation_config(generation_config)
-    head.attach(target)
-    schedule = resolve_schedule(schedule)
+    if head is None and suffix is None:
+        raise ValueError(
+            "DSpark decoding needs a drafter: a draft head (dspark_head= / assistant=), suffix drafting "
+            "(dspark_suffix= / suffix=), or both."
+        )
+    if head is not None:
+        head = head.for_drafting(target)  # attached; a copy in the target's dtype when the head's differs
+    schedule = resolve_schedule(schedule, head)
+    if head is not None and not isinstance(schedule, AdaptiveSchedule):
+        suffix = None  # only the adaptive schedule chooses between drafters; the others draft with the head
     batch_size, prompt_length = input_ids.shape
     if prompt_length == 0:
         raise ValueError(
@@ -252,7 +286,7 @@ def speculative_generate(
         )
     if streamer is not None and batch_size != 1:
         raise ValueError(f"streaming needs batch size 1; got {batch_size} prompts. Stream one prompt at a time.")
-    num_drafts = head.config.num_draft_tokens
+    num_drafts = max(0 if head is None else head.config.num_draft_tokens, 0 if suffix is None else suffix.max_tokens)
     max_new_tokens = generation_config.max_length - prompt_length
     check_holes_allowed(target, batch_size, generation_config.max_length + max_new_tokens * num_drafts)
     pad_token_id = _pad_token_id(generation_config)
@@ -264,17 +298,19 @@ def speculative_generate(
     pack = resolve_pack_linears(target, pack_linears)
     cost_table = None
     if isinstance(schedule, AdaptiveSchedule) and schedule.cost_table is None:
-        cost_table = cost_table_for(target, head, batch_size, greedy=greedy, pack_linears=pack)
+        cost_table = cost_table_for(target, head, batch_size, greedy=greedy, pack_linears=pack, num_drafts=num_drafts)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
         cache = take_cache(target, {}) if cache is None else cache
         cache_kwarg = cache_kwarg_name(target)
-        tap = FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device)
-        with packed_linears(target, head, enabled=pack), tap:
+        tap = None if head is None else FeatureTap(target, head.config.target_layer_ids, head.fc.weight.device)
+        modules = (target,) if head is None else (target, head)
+        with packed_linears(*modules, enabled=pack), tap or contextlib.nullcontext():
             logits, context = prefill(target, tap, input_ids, attention_mask, cache, cache_kwarg)
             settings = DecodeSettings(
                 target=target, num_draft_tokens=num_drafts, logits_processor=logits_processor,
+                head_slots=0 if head is None else head.config.num_draft_tokens,
                 warpers=LogitsProcessorList() if greedy else vocabulary_free_processors(logits_processor),
                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                 cache_kwarg=cache_kwarg, tap=tap, streamer=streamer,
@@ -283,7 +319,7 @@ def speculative_generate(
                 rows=torch.arange(batch_size, device=input_ids.device),
                 sampling=Sampling(greedy, _row_seeds(seed, batch_size, input_ids.device)),
                 anchor_positions=attention_mask.long().sum(dim=1), cache_mask=attention_mask, context=context,
-                cache=cache, drafter=(drafter or HeadDrafter)(head),
+                cache=cache, drafter=None if head is None else (drafter or HeadDrafter)(head), suffix=suffix,
             )  # fmt: skip
             state = DecodeState(
                 settings=settings, running=running, schedule=start_schedule(schedule, cost_table, num_drafts),
@@ -302,14 +338,43 @@ def speculative_generate(
     return _outputs(state, generation_config, pad_token_id)
 
 
-def resolve_schedule(schedule: Schedule | AdaptiveSchedule | None) -> Schedule | AdaptiveSchedule:
-    """The schedule to use: the given one, or :class:`AdaptiveSchedule` by default.
+def suffix_enabled(suffix: bool | CorpusIndex | None) -> bool:
+    """Whether ``suffix`` (None: :data:`SUFFIX_BY_DEFAULT`, a bool, or a corpus) turns suffix drafting on.
+
+    Raises:
+        ValueError: ``suffix`` is none of these.
+    """
+    if suffix is None:
+        return SUFFIX_BY_DEFAULT
+    if isinstance(suffix, (bool, CorpusIndex)):
+        return suffix is not False
+    raise ValueError(
+        f"suffix={suffix!r}; expected None (the default), True, False, or a spark_generate.suffix.CorpusIndex of "
+        "earlier texts."
+    )
+
+
+def suffix_drafter(suffix: bool | CorpusIndex | None) -> SuffixDrafter | None:
+    """This generation's suffix drafter (with the corpus ``suffix`` may be), or None when suffix drafting is off.
+
+    Its drafts may outgrow the head's block: they reach
+    :data:`~spark_generate.suffix.MAX_DRAFT_TOKENS` where a match is long enough.
+    """
+    if not suffix_enabled(suffix):
+        return None
+    return SuffixDrafter(corpus=suffix if isinstance(suffix, CorpusIndex) else None)
+
+
+def resolve_schedule(
+    schedule: Schedule | AdaptiveSchedule | None, head: DSparkHead | None
+) -> Schedule | AdaptiveSchedule:
+    """The schedule to use: the given one, or by default :class:`AdaptiveSchedule` with the head's STS temperatures.
 
     Raises:
         ValueError: ``schedule`` is not a schedule object (a string, say).
     """
     if schedule is None:
-        return AdaptiveSchedule()
+        return AdaptiveSchedule(temperatures=None if head is None else head.sts_temperatures)
     if isinstance(schedule, AdaptiveSchedule) or (callable(schedule) and not isinstance(schedule, (str, type))):
         return schedule
     raise ValueError(
@@ -320,19 +385,21 @@ def resolve_schedule(schedule: Schedule | AdaptiveSchedule | None) -> Schedule |
 
 def prefill(
     target: PreTrainedModel,
-    tap: FeatureTap,
+    tap: FeatureTap | None,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     cache: Cache,
     cache_kwarg: str,
-) -> tuple[torch.Tensor, DraftContext]:
-    """Runs the target on the prompts: ``[B, V]`` float32 next-token logits and the first draft context."""
+) -> tuple[torch.Tensor, DraftContext | None]:
+    """Runs the target on the prompts: ``[B, V]`` float32 next-token logits and the first draft context (or None)."""
     real_positions = attention_mask.long().cumsum(dim=1) - 1
     logits = target_forward(
         target, input_ids, cache=cache, cache_kwarg=cache_kwarg, attention_mask=attention_mask,
         position_ids=real_positions.masked_fill(attention_mask == 0, 1), num_logits=1,
     )[:, -1].float()  # fmt: skip
     check_finite(logits)
+    if tap is None:
+        return logits, None
     return logits, DraftContext(tap.take(), real_positions.masked_fill(attention_mask == 0, UNSEEN_POSITION))
 
 
@@ -355,16 +422,12 @@ def speculative_step(state: DecodeState) -> None:
     num_rows, start = len(running.rows), time.perf_counter()
     anchor_ids, prefixes = state.anchor_ids, state.prefixes
     live = state.unfinished[running.rows]  # finished rows may ride along until they are dropped
-    drafting = state.schedule.should_draft()
+    block, sources = draft_round(state, anchor_ids, prefixes)
+    drafting = bool((sources != DraftSource.PLAIN).any())
     if drafting:
-        request = DraftRequest(
-            anchor_ids, running.anchor_positions, running.context, prefixes, running.sampling, settings.warpers
-        )
-        block = running.drafter.draft(request)
-        running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache
-        num_verified = state.schedule.lengths(block.confidence_logits, num_rows, settings.num_draft_tokens)
+        num_verified = state.schedule.lengths(block.confidence_logits, num_rows, settings.num_draft_tokens, sources)
     else:
-        block, num_verified = DraftBlock.nothing(anchor_ids), torch.zeros(num_rows, dtype=torch.int64)
+        num_verified = torch.zeros(num_rows, dtype=torch.int64)
     budget = settings.max_length - state.lengths[running.rows] - 1  # a row never emits past max_length
     budget = torch.where(live, budget.clamp(min=0), 0)  # a finished row only steps along, one token a round
     num_verified = torch.minimum(num_verified.to(budget.device), budget)
@@ -383,22 +446,53 @@ def speculative_step(state: DecodeState) -> None:
         running.sampling,
     )  # fmt: skip
     if drafting:
-        state.schedule.record(num_verified, verdict.num_emitted, live)
+        state.schedule.record(num_verified, verdict.num_emitted, live, sources)
     record_step(
-        state.stats, running.rows[live], num_verified[live], verdict.num_accepted[live], drafting, start, verify_start
-    )
+        state.stats, running.rows[live], num_verified[live], verdict.num_accepted[live], sources[live], start,
+        verify_start,
+    )  # fmt: skip
 
     commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits)
     kept = int(verdict.num_emitted.max())  # the anchor and accepted drafts of the longest row
     crop_cache(running.cache, running.cache_mask.shape[1] + kept)
     kept_mask = torch.arange(kept, device=block_ids.device)[None] < verdict.num_emitted[:, None]
     running.cache_mask = torch.cat([running.cache_mask, kept_mask.to(running.cache_mask.dtype)], dim=1)
-    new_context = DraftContext(
-        settings.tap.take()[:, :kept], torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
-    )
-    running.context = running.context.extend(new_context, max_rows=MAX_CATCH_UP_ROWS)
+    if settings.tap is not None:
+        new_context = DraftContext(
+            settings.tap.take()[:, :kept], torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
+        )
+        running.context = running.context.extend(new_context, max_rows=MAX_CATCH_UP_ROWS)
     running.anchor_positions = running.anchor_positions + verdict.num_emitted
     drop_finished_rows(state)
+
+
+def draft_round(
+    state: DecodeState, anchor_ids: torch.Tensor, prefixes: RowPrefixes
+) -> tuple[DraftBlock, torch.Tensor]:
+    """This round's drafts of every running row and ``[R]`` where each came from (:class:`DraftSource`).
+
+    The suffix drafter proposes first (a function of the committed tokens only); the schedule then
+    chooses each row's source from those proposals and the past, before the head draws anything;
+    the head runs (once, for every row) only if some row drafts with it.
+    """
+    settings, running = state.settings, state.running
+    request = DraftRequest(
+        anchor_ids, running.anchor_positions, running.context, prefixes, running.sampling, settings.warpers
+    )
+    blocks: dict[int, DraftBlock] = {}
+    if running.suffix is not None:
+        blocks[DraftSource.SUFFIX] = running.suffix.draft(request)
+    suffix_block = blocks.get(DraftSource.SUFFIX)
+    sources = state.schedule.sources(
+        None if suffix_block is None else suffix_block.confidence_logits, len(anchor_ids), settings.head_slots
+    )
+    if bool((sources == DraftSource.HEAD).any()):
+        blocks[DraftSource.HEAD] = running.drafter.draft(request)
+        running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache
+    if bool((sources == DraftSource.PLAIN).all()):
+        return DraftBlock.nothing(anchor_ids), sources
+    vocab_size = settings.target.get_output_embeddings().weight.shape[0]
+    return DraftBlock.by_row(blocks, sources.to(anchor_ids.device), settings.num_draft_tokens, vocab_size), sources
 
 
 def commit(

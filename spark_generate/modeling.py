@@ -17,26 +17,33 @@ Without a head it *is* the target's ``generate()``.
 The wrapper intercepts the arguments ``generate()`` would refuse or not forward to a decoding
 callable: ``assistant`` (also accepted under Transformers' own name ``assistant_model`` when it is
 a DSpark head), ``streamer``, ``seed``, ``schedule``, and ``stop_strings`` with its ``tokenizer``
-(turned into a :class:`~transformers.StopStringCriteria` by :mod:`spark_generate.hf`). A head
-loaded from a folder that holds a ``calibration.json`` (STS temperatures) plans the default
-schedule with its calibrated confidences.
+(turned into a :class:`~transformers.StopStringCriteria` by :mod:`spark_generate.hf`).
+
+However a head is passed (a folder, a Hub id, a :class:`~spark_generate.heads.DSparkHead` from
+``from_pretrained``, or ``target.generate(custom_generate=spark_generate.decode, dspark_head=head)``),
+it drafts the same: in the dtype of the target's LM head
+(:meth:`~spark_generate.heads.DSparkHead.for_drafting`: a head in another dtype drafts through a
+copy, and the head itself is left as it is), and with its own STS calibration
+(:attr:`~spark_generate.heads.DSparkHead.sts_temperatures`, read from the folder's
+``calibration.json``) in the default schedule. A head given by name is loaded on the target's
+device, in the target's dtype.
 """
 
 from __future__ import annotations
 
+import copy
 import os
-import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, StoppingCriteriaList
 
-from spark_generate.generation import decode
+from spark_generate.generation import decode, suffix_enabled
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import route_generate_arguments
-from spark_generate.schedule import AdaptiveSchedule, Schedule, load_calibration
+from spark_generate.schedule import AdaptiveSchedule, Schedule
+from spark_generate.suffix import CorpusIndex
 from spark_generate.telemetry import DSparkGenerateOutput
 
 __all__ = ["DSparkForCausalLM"]
@@ -60,8 +67,6 @@ class DSparkForCausalLM(nn.Module):
                 "Load the target with AutoModelForCausalLM.from_pretrained(...)."
             )
         self.model = model
-        # STS temperatures of the heads loaded from folders that hold a calibration.json
-        self._temperatures: weakref.WeakKeyDictionary[DSparkHead, torch.Tensor] = weakref.WeakKeyDictionary()
         self.head = None if head is None else self._load_head(head)
 
     @classmethod
@@ -90,15 +95,11 @@ class DSparkForCausalLM(nn.Module):
         return self.model(*args, **kwargs)
 
     def _load_head(self, head: HeadLike) -> DSparkHead:
-        """Loads a head if given by name, places it next to the target's LM head, and attaches it."""
-        lm_head_weight = self.model.get_output_embeddings().weight
-        if not isinstance(head, DSparkHead):
-            calibration = Path(head) / "calibration.json"
-            temperatures = load_calibration(calibration) if calibration.is_file() else None
-            head = DSparkHead.from_pretrained(head, dtype=lm_head_weight.dtype, device=lm_head_weight.device)
-            if temperatures is not None:
-                self._temperatures[head] = temperatures
-        return head.attach(self.model)
+        """Attaches a head; one given by name is loaded on the target's LM head device, in its dtype."""
+        if isinstance(head, DSparkHead):
+            return head.attach(self.model)
+        device = self.model.get_output_embeddings().weight.device
+        return DSparkHead.from_pretrained(head, device=device).for_drafting(self.model)
 
     @torch.no_grad()
     def generate(
@@ -111,6 +112,7 @@ class DSparkForCausalLM(nn.Module):
         seed: int | torch.Tensor | None = None,
         schedule: Schedule | AdaptiveSchedule | None = None,
         pack_linears: bool | None = None,
+        suffix: bool | CorpusIndex | None = None,
         stopping_criteria: StoppingCriteriaList | None = None,
         **kwargs: Any,
     ) -> torch.Tensor | DSparkGenerateOutput | Any:
@@ -121,17 +123,22 @@ class DSparkForCausalLM(nn.Module):
                 list of token ids (or of equal-length lists) is accepted too.
             generation_config: As for ``generate()``.
             assistant: A :class:`DSparkHead`, a local folder or a Hub id; default: ``self.head``.
-                Without any head this is plain ``generate()``. ``assistant_model=`` is accepted for
-                a DSpark head too.
+                Without any head, greedy decoding and sampling draft from the suffix index alone
+                (``suffix=False``: plain ``generate()``), and other modes are plain
+                ``generate()``. ``assistant_model=`` is accepted for a DSpark head too.
             streamer: A Transformers streamer (batch size 1): the prompt, then each committed chunk.
             seed: Philox seed for sampling: ``int`` or int64 ``[B]`` per row (see
                 :func:`spark_generate.decode`); None draws from torch's global generator.
             schedule: How many drafts to verify per step (:mod:`spark_generate.schedule`);
-                default: :class:`~spark_generate.schedule.AdaptiveSchedule`, with the head's
-                calibration when it was loaded from a folder that has one.
+                default: :class:`~spark_generate.schedule.AdaptiveSchedule` with the head's
+                :attr:`~spark_generate.heads.DSparkHead.sts_temperatures`.
             pack_linears: Run the float32 CPU linear layers of the model and head through oneDNN
                 with pre-packed weights while speculating (:mod:`spark_generate.packing`); None:
                 on a CPU for a float32 model.
+            suffix: Suffix drafting from what the prompt and the output already hold
+                (:mod:`spark_generate.suffix`), chosen per row and round beside the head: None or
+                True on (the default), a :class:`~spark_generate.suffix.CorpusIndex` on with that
+                corpus of earlier texts, False off.
             stopping_criteria: Extra stopping criteria, as for ``generate()``.
             **kwargs: Everything else ``generate()`` accepts (``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``stop_strings`` with ``tokenizer``, ``attention_mask``, ...).
@@ -152,7 +159,7 @@ class DSparkForCausalLM(nn.Module):
                 )
             assistant = kwargs.pop("assistant_model")
         head = self._load_head(assistant) if assistant is not None else self.head
-        if head is None:
+        if head is None and not self._suffix_alone(suffix, generation_config, kwargs):
             return self.model.generate(
                 inputs, generation_config, streamer=streamer, stopping_criteria=stopping_criteria, **kwargs
             )
@@ -161,8 +168,6 @@ class DSparkForCausalLM(nn.Module):
                 "got both a DSpark head and assistant_model=; pass the DSpark head as assistant= and drop "
                 "assistant_model (which selects Transformers' own assisted decoding)."
             )
-        if schedule is None and head in self._temperatures:
-            schedule = AdaptiveSchedule(temperatures=self._temperatures[head])
         generation_config, stopping_criteria = route_generate_arguments(generation_config, stopping_criteria, kwargs)
         return self.model.generate(
             inputs,
@@ -174,8 +179,17 @@ class DSparkForCausalLM(nn.Module):
             dspark_seed=seed,
             dspark_schedule=schedule,
             dspark_pack_linears=pack_linears,
+            dspark_suffix=suffix,
             **kwargs,
         )
+
+    def _suffix_alone(self, suffix: bool | CorpusIndex | None, generation_config: Any, kwargs: dict) -> bool:
+        """Whether a generation without a head drafts from the suffix index: on, and greedy or sampling."""
+        if not suffix_enabled(suffix):
+            return False
+        config = copy.deepcopy(generation_config or self.model.generation_config)
+        config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
+        return config.get_generation_mode().value in ("greedy_search", "sample") and not kwargs.get("assistant_model")
 
 
 def _as_input_ids(inputs: Any, device: torch.device) -> torch.Tensor | None:

@@ -9,16 +9,20 @@ batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs
 ``~/.cache/spark_generate``), so that later generations plan identically (a seeded sampled
 generation depends on the plan, so it is reproducible run to run on the same machine). With
 ``SPARK_GENERATE_PROFILE=0`` nothing is measured and the built-in
-:meth:`~spark_generate.schedule.CostTable.estimate` is used.
+:meth:`~spark_generate.schedule.CostTable.estimate` is used. Threads whose first generations need
+the same table at once measure it once: the others wait for it (measuring side by side would
+time each other).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +41,9 @@ from spark_generate.verify import verify_block
 
 __all__ = ["cache_folder", "cost_table_for", "profile_costs"]
 
+# Held while a cost table is looked up or measured, so that racing first calls measure it once.
+_PROFILING_LOCK = threading.Lock()
+
 
 def cache_folder() -> Path:
     """Where spark_generate caches what it measures: ``$SPARK_GENERATE_CACHE`` or ``~/.cache/spark_generate``."""
@@ -46,8 +53,9 @@ def cache_folder() -> Path:
 @torch.no_grad()
 def profile_costs(
     model: PreTrainedModel,
-    head: DSparkHead,
+    head: DSparkHead | None,
     *,
+    num_drafts: int | None = None,
     batch_size: int = 1,
     greedy: bool = True,
     context_length: int = 64,
@@ -57,15 +65,17 @@ def profile_costs(
 ) -> CostTable:
     """Measures verification and drafting costs on this machine, optionally saving them as JSON.
 
-    Runs a prefill of random tokens, then times (best of ``repeats``) one draft round of
-    ``batch_size`` rows and verifications (the target forward, then accepting greedily or by
-    rejection sampling, as the generation will) over ``rows × (1 + n)`` tokens for ``n = 0 .. S``, with
-    ``rows = batch_size`` and, if larger than 1, ``rows = 1``, rolling the cache back each time.
-    Verification costs are made non-decreasing in the token count (timing noise removed).
+    Runs a prefill of random tokens, then times (best of ``repeats``) one draft round of the head
+    over ``batch_size`` rows and verifications (the target forward, then accepting greedily or by
+    rejection sampling, as the generation will) over ``rows × (1 + n)`` tokens for ``n = 0 ..
+    num_drafts``, with ``rows = batch_size`` and, if larger than 1, ``rows = 1``, rolling the cache
+    back each time. Verification costs are made non-decreasing in the token count (timing noise
+    removed).
 
     Args:
         model: The target.
-        head: Its draft head (attached to it here).
+        head: Its draft head (attached to it here), or None (suffix drafting only: no draft round).
+        num_drafts: The most drafts a round verifies; default the head's block.
         batch_size: Rows per round.
         greedy: Draft greedily (else sample each slot, which costs more per slot).
         context_length: Prompt length of the measurement.
@@ -77,12 +87,16 @@ def profile_costs(
     Returns:
         The cost table.
     """
-    head.attach(model)
-    num_drafts = head.config.num_draft_tokens
+    if head is not None:
+        head.attach(model)
+    num_drafts = _num_drafts(head, num_drafts)
     seconds: dict[int, float] = {}
-    with packed_linears(model, head, enabled=resolve_pack_linears(model, pack_linears)):
+    modules = (model,) if head is None else (model, head)
+    with packed_linears(*modules, enabled=resolve_pack_linears(model, pack_linears)):
         for rows in sorted({1, batch_size}):
-            verify_seconds, draft_seconds = _profile_batch(model, head, rows, greedy, context_length, repeats)
+            verify_seconds, draft_seconds = _profile_batch(
+                model, head, num_drafts, rows, greedy, context_length, repeats
+            )
             seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
     points = sorted(seconds)
     # A forward over more tokens never costs less: a timing spike at a small count (another process
@@ -96,23 +110,46 @@ def profile_costs(
     return table
 
 
+def _num_drafts(head: DSparkHead | None, num_drafts: int | None) -> int:
+    """The widest block to measure: ``num_drafts``, else the head's block.
+
+    Raises:
+        ValueError: Neither a head nor ``num_drafts`` is given.
+    """
+    if num_drafts is not None:
+        return num_drafts
+    if head is None:
+        raise ValueError("profiling without a draft head needs num_drafts=, the most drafts a round verifies.")
+    return head.config.num_draft_tokens
+
+
 def _profile_batch(
-    model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool, context_length: int, repeats: int
+    model: PreTrainedModel,
+    head: DSparkHead | None,
+    num_drafts: int,
+    batch_size: int,
+    greedy: bool,
+    context_length: int,
+    repeats: int,
 ) -> tuple[list[float], float]:
-    """Best-of-``repeats`` seconds of verifications over widths ``1 .. S + 1``, and of one draft round.
+    """Best-of-``repeats`` seconds of verifications over widths ``1 .. num_drafts + 1``, and of one head round.
 
     A verification is the target forward, then accepting as the generation will (greedily, or by
-    rejection sampling, which costs noticeably more per round on a CPU).
+    rejection sampling, which costs noticeably more per round on a CPU), of a deterministic block
+    (what it verifies does not change what it costs); with a head, its features are tapped as
+    while generating. Without a head the draft round costs 0.
     """
     device = next(model.parameters()).device
-    input_ids = torch.randint(0, head.config.target_vocab_size, (batch_size, context_length), device=device)
+    vocab_size = model.config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab_size, (batch_size, context_length), device=device)
     positions = torch.arange(context_length, device=device).expand(batch_size, -1)
     anchor_positions = positions[:, -1] + 1
     cache, cache_kwarg = take_cache(model, {}), cache_kwarg_name(model)
     sampling = Sampling(greedy=greedy, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
     rows = torch.arange(batch_size, device=device)
     prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
-    drafter = HeadDrafter(head)
+    block = DraftBlock(input_ids.repeat(1, num_drafts // context_length + 1)[:, :num_drafts], None, None, None)
+    drafter = None if head is None else HeadDrafter(head)
 
     def draft(num_new_rows: int) -> DraftBlock:
         context = DraftContext(features[:, -num_new_rows:], positions[:, -num_new_rows:])
@@ -128,61 +165,82 @@ def _profile_batch(
         )  # fmt: skip
         num_verified = torch.full((batch_size,), width - 1, device=device)
         verify_block(target_logits, block, num_verified, anchor_positions, LogitsProcessorList(), prefixes, sampling)
-        tap.take()
+        if tap is not None:
+            tap.take()
         crop_cache(cache, context_length)
 
-    with FeatureTap(model, head.config.target_layer_ids, head.fc.weight.device) as tap:
+    taps = contextlib.nullcontext() if head is None else FeatureTap(model, head.config.target_layer_ids, device)
+    with taps as tap:
         target_forward(
             model, input_ids, cache=cache, cache_kwarg=cache_kwarg, attention_mask=torch.ones_like(input_ids),
             position_ids=positions, num_logits=1,
         )  # fmt: skip
-        features = tap.take()
-        block = draft(context_length)  # fills the draft cache; a round then adds about one context row
-        widths = range(1, head.config.num_draft_tokens + 2)
+        if tap is not None:
+            features = tap.take()
+            draft(context_length)  # fills the draft cache; a round then adds about one context row
+        widths = range(1, num_drafts + 2)
         verify(1)  # warm-up
         # Repeats interleave the widths, so a slow or fast spell of the machine reaches all of them alike.
         timings = [[_timed(functools.partial(verify, width)) for width in widths] for _ in range(repeats)]
-        draft_seconds = min(_timed(functools.partial(draft, 1)) for _ in range(repeats))
+        draft_seconds = 0.0 if head is None else min(_timed(functools.partial(draft, 1)) for _ in range(repeats))
     return [min(column) for column in zip(*timings, strict=True)], draft_seconds
 
 
 def cost_table_for(
-    model: PreTrainedModel, head: DSparkHead, batch_size: int, greedy: bool = True, pack_linears: bool | None = None
+    model: PreTrainedModel,
+    head: DSparkHead | None,
+    batch_size: int,
+    greedy: bool = True,
+    pack_linears: bool | None = None,
+    num_drafts: int | None = None,
 ) -> CostTable:
     """This machine's cost table for ``model``, ``head``, ``batch_size`` and sampling mode: cached, else profiled once.
+
+    ``num_drafts`` is the most drafts a round verifies (default: the head's block; required
+    without a head).
 
     Keyed and profiled with the linear layers packed or not as the generation will run them
     (``pack_linears`` as in :func:`~spark_generate.packing.resolve_pack_linears`). With
     ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
     """
     device = next(model.parameters()).device
+    num_drafts = _num_drafts(head, num_drafts)
     if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
-        return CostTable.estimate(device.type, batch_size * (head.config.num_draft_tokens + 1))
+        return CostTable.estimate(device.type, batch_size * (num_drafts + 1))
     pack = resolve_pack_linears(model, pack_linears)
     key = {**_machine_key(model, head, batch_size, device), "greedy": greedy, "packed_linears": pack}
+    if head is None or num_drafts != head.config.num_draft_tokens:  # keys of head-only tables stay as they were
+        key["num_drafts"] = num_drafts
     path = (
         cache_folder() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
     )
-    if path.is_file():
-        try:
-            return CostTable.load(path)
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is measured again and replaced
-    table = profile_costs(model, head, batch_size=batch_size, greedy=greedy, pack_linears=pack)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-        json.dump({**table.to_dict(), "key": key}, handle, indent=2)
-    os.replace(handle.name, path)
-    return table
+    with _PROFILING_LOCK:
+        if path.is_file():
+            try:
+                return CostTable.load(path)
+            except (OSError, ValueError, KeyError):
+                pass  # a damaged cache entry is measured again and replaced
+        table = profile_costs(
+            model, head, num_drafts=num_drafts, batch_size=batch_size, greedy=greedy, pack_linears=pack
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+            json.dump({**table.to_dict(), "key": key}, handle, indent=2)
+        os.replace(handle.name, path)
+        return table
 
 
-def _machine_key(model: PreTrainedModel, head: DSparkHead, batch_size: int, device: torch.device) -> dict[str, object]:
+def _machine_key(
+    model: PreTrainedModel, head: DSparkHead | None, batch_size: int, device: torch.device
+) -> dict[str, object]:
     """What a cost table depends on: the target, the head, the dtype, the device and the threads."""
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {
         "target": type(model).__name__,
         "target_config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest(),
-        "head_config": hashlib.sha256(head.config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "head_config": None
+        if head is None
+        else hashlib.sha256(head.config.to_json_string(use_diff=False).encode()).hexdigest(),
         "dtype": str(next(model.parameters()).dtype),
         "device": device_name,
         "threads": torch.get_num_threads(),

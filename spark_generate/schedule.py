@@ -49,6 +49,10 @@ from typing import Protocol
 
 import torch
 
+from spark_generate.drafting import NO_CONFIDENCE
+from spark_generate.heads.hub_io import load_calibration  # a head folder's calibration.json, re-exported
+from spark_generate.telemetry import DraftSource
+
 __all__ = [
     "AdaptiveSchedule",
     "ConfidenceThreshold",
@@ -57,6 +61,7 @@ __all__ = [
     "GoodputSchedule",
     "Schedule",
     "ScheduleRun",
+    "SlotAcceptance",
     "confidences",
     "load_calibration",
     "lookahead_lengths",
@@ -81,14 +86,6 @@ def confidences(confidence_logits: torch.Tensor, temperatures: torch.Tensor | No
     if temperatures is not None:
         confidence_logits = confidence_logits / temperatures.to(confidence_logits)
     return torch.sigmoid(confidence_logits.float())
-
-
-def load_calibration(path: str | Path) -> torch.Tensor:
-    """Reads per-slot STS temperatures from a JSON file ``{"temperatures": [T_1, ..., T_S]}``."""
-    temperatures = json.loads(Path(path).read_text()).get("temperatures")
-    if not temperatures or any(t <= 0 for t in temperatures):
-        raise ValueError(f"{path} holds temperatures={temperatures!r}; expected a non-empty list of positive numbers.")
-    return torch.tensor(temperatures, dtype=torch.float32)
 
 
 def _require(confidence_logits: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -233,24 +230,26 @@ def lookahead_lengths(survival: torch.Tensor, acceptance: torch.Tensor, cost_tab
 
     Args:
         survival: ``[R, S]`` prefix survivals ``a_{r,j}`` of this round's drafts.
-        acceptance: ``[S]`` probability that slot ``j`` is accepted when reached, from past rounds.
+        acceptance: ``[S]`` probability that slot ``j`` is accepted when reached, from past rounds,
+            or ``[R, S]`` per row (rows drafted by different drafters).
         cost_table: The costs to plan with.
 
     Returns:
         ``[R]`` int64 lengths, all equal.
     """
     num_rows, num_slots = survival.shape
-    expected = survival.double().sum(dim=0).tolist()  # [S] expected accepted tokens at each slot, all rows
-    acceptance = acceptance.double().tolist()
+    survival = survival.double()
+    acceptance = acceptance.double().expand(num_rows, num_slots)
+    expected = survival.sum(dim=0).tolist()  # [S] expected accepted tokens at each slot, all rows
     length, tokens = 0, float(num_rows)
     best = tokens * cost_table.steps_per_second(num_rows)
     for slot in range(num_slots):
         known = tokens + expected[slot]  # slots <= this one valued by their survivals
-        projected, reach, extension = 0.0, expected[slot], 0.0
-        for later in range(slot, num_slots):  # widths 1 + later + 1, slots after this one projected
-            if later > slot:
-                reach *= acceptance[later]
-                extension += reach
+        projected, extension = known * cost_table.steps_per_second(num_rows * (slot + 2)), 0.0
+        # Slots after this one, projected from its survivals with each row's past acceptance.
+        reaches = (survival[:, slot, None] * acceptance[:, slot + 1 :].cumprod(dim=1)).sum(dim=0).tolist()
+        for later, reach in enumerate(reaches, start=slot + 1):  # widths 1 + later + 1
+            extension += reach
             projected = max(projected, (known + extension) * cost_table.steps_per_second(num_rows * (later + 2)))
         if projected <= best:
             break  # lossless early stop: slots after this one are never admitted
@@ -296,120 +295,305 @@ class AdaptiveSchedule:
     max_backoff: int = 32
 
     def start(self, cost_table: CostTable, num_draft_tokens: int) -> AdaptiveRun:
-        """The per-generation state of this schedule, planning with ``cost_table``."""
-        counts = [torch.zeros(num_draft_tokens) for _ in range(3)]
-        return AdaptiveRun(self, cost_table, *counts)
+        """The per-generation state of this schedule, planning with ``cost_table``, for blocks of ``S`` drafts."""
+        return AdaptiveRun(
+            self, cost_table, SlotAcceptance.zeros(num_draft_tokens), SlotAcceptance.zeros(num_draft_tokens)
+        )
 
 
 class ScheduleRun(Protocol):
-    """A schedule during one generation: the loop asks it before drafting, then after, then reports."""
+    """A schedule during one generation: the loop asks it where each row drafts, how much to verify, then reports."""
 
-    def should_draft(self) -> bool:
-        """Whether this round drafts (else it is a plain decoding step)."""
+    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+        """``[R]`` int64 :class:`~spark_generate.telemetry.DraftSource` of each row this round.
+
+        Args:
+            suffix_confidence_logits: ``[R, L]`` logits of the suffix drafts' estimated
+                acceptance (a deterministic function of the committed tokens), or None without a
+                suffix drafter.
+            num_rows: ``R``.
+            head_slots: The head's draft slots (0 without a head).
+        """
         ...
 
-    def lengths(self, confidence_logits: torch.Tensor | None, num_rows: int, num_draft_tokens: int) -> torch.Tensor:
-        """``[R]`` int64 drafts to verify per row (see :class:`Schedule`)."""
+    def lengths(
+        self,
+        confidence_logits: torch.Tensor | None,
+        num_rows: int,
+        num_draft_tokens: int,
+        sources: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[R]`` int64 drafts to verify per row (see :class:`Schedule`); 0 for plain rows.
+
+        ``sources`` (``[R]``, from :meth:`sources`; None: every row drafted by the head) tells
+        which drafter each row's confidence logits come from.
+        """
         ...
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
-        """What a drafted round verified (``[R]``) and emitted (``[R]``, accepted + 1) in its ``[R]`` live rows."""
+    def record(
+        self,
+        num_verified: torch.Tensor,
+        num_emitted: torch.Tensor,
+        live: torch.Tensor,
+        sources: torch.Tensor | None = None,
+    ) -> None:
+        """What a round verified (``[R]``) and emitted (``[R]``, accepted + 1) in its ``[R]`` live rows."""
         ...
+
+
+def _padded(temperatures: torch.Tensor | None, num_slots: int) -> torch.Tensor | None:
+    """``[num_slots]`` STS temperatures: the head's ``[S]`` ones, 1 for the slots past them (or None)."""
+    if temperatures is None:
+        return None
+    padded = torch.ones(num_slots)
+    width = min(num_slots, len(temperatures))
+    padded[:width] = temperatures[:width]
+    return padded
+
+
+def _within_drafts(
+    lengths: torch.Tensor, sources: torch.Tensor, confidence_logits: torch.Tensor | None
+) -> torch.Tensor:
+    """``[R]`` lengths cut to each row's drafts: none for a plain row, and no slot past its drafter's.
+
+    Where a row's drafts end is known before any draw (a suffix draft is a function of the committed
+    tokens; the head's block has a fixed size), so the cut is lossless.
+    """
+    lengths = torch.where(sources == DraftSource.PLAIN, 0, lengths)
+    if confidence_logits is None:
+        return lengths
+    return torch.minimum(lengths, _filled_slots(confidence_logits.cpu()).sum(dim=1))
+
+
+def _filled_slots(confidence_logits: torch.Tensor) -> torch.Tensor:
+    """``[R, S]`` bool: the leading slots a drafter filled (confidence logit above :data:`NO_CONFIDENCE`, or NaN)."""
+    return (~(confidence_logits <= NO_CONFIDENCE)).long().cumprod(dim=1).bool()
+
+
+def _default_sources(suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+    """The head where there is one, else the suffix drafter where there is one, else plain steps."""
+    if head_slots:
+        source = DraftSource.HEAD
+    else:
+        source = DraftSource.PLAIN if suffix_confidence_logits is None else DraftSource.SUFFIX
+    return torch.full((num_rows,), int(source), dtype=torch.int64)
 
 
 @dataclass
 class EveryRound:
-    """A stateless :class:`Schedule` during one generation: drafts every round."""
+    """A stateless :class:`Schedule` during one generation: drafts every round, with the head where there is one."""
 
     schedule: Schedule
 
-    def should_draft(self) -> bool:
-        """Always."""
-        return True
+    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+        """The head for every row; the suffix drafter without a head."""
+        return _default_sources(suffix_confidence_logits, num_rows, head_slots)
 
-    def lengths(self, confidence_logits: torch.Tensor | None, num_rows: int, num_draft_tokens: int) -> torch.Tensor:
-        """What the schedule chooses."""
-        return self.schedule(confidence_logits, num_rows, num_draft_tokens)
+    def lengths(
+        self,
+        confidence_logits: torch.Tensor | None,
+        num_rows: int,
+        num_draft_tokens: int,
+        sources: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """What the schedule chooses (none for plain rows, none past a suffix draft's end)."""
+        lengths = self.schedule(confidence_logits, num_rows, num_draft_tokens)
+        return lengths if sources is None else _within_drafts(lengths, sources.cpu(), confidence_logits)
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
+    def record(
+        self,
+        num_verified: torch.Tensor,
+        num_emitted: torch.Tensor,
+        live: torch.Tensor,
+        sources: torch.Tensor | None = None,
+    ) -> None:
         """Nothing to remember."""
 
 
 @dataclass
-class AdaptiveRun:
-    """:class:`AdaptiveSchedule` during one generation.
+class SlotAcceptance:
+    """One drafter's record during a generation: per slot, how often it was reached, accepted, and vouched for.
 
-    ``gain`` is what drafted rounds emitted per row over what they cost in plain steps (running
-    means of both, so one lucky round does not hide the losing rounds after it); below 1 the next
-    ``backoff`` rounds are plain steps, and ``backoff`` doubles at every probe that does not pay
-    (up to ``max_backoff``), resetting once drafting pays again. The head's confidences are
-    corrected per slot by how often reached slots were accepted against the confidence they were
-    given in past rounds (so a head calibrated elsewhere, or at another temperature, is brought to
-    this generation's acceptance).
+    A slot is *reached* when it was verified and every earlier slot of its round was accepted.
     """
 
-    settings: AdaptiveSchedule
-    cost_table: CostTable
     reached_by_slot: torch.Tensor  # [S] running counts: slot verified and every earlier slot accepted
     accepted_by_slot: torch.Tensor  # [S] of those, accepted
     confidence_by_slot: torch.Tensor  # [S] of those, the summed confidences the slots were given
-    last_confidences: torch.Tensor | None = None  # [R, S] of the round being verified
-    tokens: float | None = None  # running mean tokens per row of a drafted round
-    cost: float | None = None  # running mean cost of a drafted round, in plain steps
-    plain_steps_left: int = 0
-    backoff: int = 1
 
-    @property
-    def gain(self) -> float | None:
-        """Running tokens per plain step of drafted rounds (plain decoding: 1); None before any."""
-        return None if self.tokens is None or self.cost is None else self.tokens / self.cost
+    @classmethod
+    def zeros(cls, num_slots: int) -> SlotAcceptance:
+        """No evidence yet, for blocks of ``num_slots`` drafts."""
+        return cls(*(torch.zeros(num_slots) for _ in range(3)))
 
     @property
     def acceptance(self) -> torch.Tensor:
         """``[S]`` per-slot acceptance when reached so far, Laplace-smoothed (1/2 before any evidence)."""
         return (self.accepted_by_slot + 1) / (self.reached_by_slot + 2)
 
+    def survival(self, confidences: torch.Tensor) -> torch.Tensor:
+        """``[R, S']`` prefix survivals: ``[R, S']`` confidences corrected by the acceptance seen so far.
+
+        Each slot's confidence is multiplied by how often reached slots were accepted against the
+        confidence they were given, clamped to 1, and multiplied along the block.
+        """
+        num_slots = confidences.shape[1]
+        correction = (self.accepted_by_slot[:num_slots] + 1) / (self.confidence_by_slot[:num_slots] + 1)
+        return (confidences * correction).clamp(max=1.0).cumprod(dim=1)
+
+    def record(self, num_verified: torch.Tensor, num_accepted: torch.Tensor, confidences: torch.Tensor | None) -> None:
+        """Adds rounds of ``[R]`` verified and accepted drafts given ``[R, S']`` confidences (or None)."""
+        slots = torch.arange(len(self.reached_by_slot))
+        reached = (slots[None] < num_verified[:, None]) & (slots[None] <= num_accepted[:, None])
+        self.reached_by_slot += reached.sum(0)
+        self.accepted_by_slot += (slots[None] < num_accepted[:, None]).sum(0)
+        if confidences is not None:
+            width = min(confidences.shape[1], len(slots))
+            self.confidence_by_slot[:width] += (confidences[:, :width] * reached[:, :width]).sum(0)
+
+
+@dataclass
+class AdaptiveRun:
+    """:class:`AdaptiveSchedule` during one generation.
+
+    ``gain`` is what head-drafted rounds emitted per row over what they cost in plain steps (running
+    means of both, so one lucky round does not hide the losing rounds after it); below 1 the next
+    ``backoff`` rounds do not run the head, and ``backoff`` doubles at every probe that does not
+    pay (up to ``max_backoff``), resetting once drafting pays again. Each drafter's confidences are
+    corrected per slot by how often its reached slots were accepted against the confidence they
+    were given in past rounds (:class:`SlotAcceptance`; so a head calibrated elsewhere, or at
+    another temperature, is brought to this generation's acceptance, and a suffix match's
+    frequency estimate to how often such matches really continue).
+
+    Per row and round, :meth:`sources` drafts from the suffix index where its draft is expected
+    to emit more tokens per plain step of cost (the forward over its best width, no drafting pass;
+    its estimates corrected by the suffix's own record) than both a plain step and a head round
+    (the head's per-slot acceptance so far, 1/2 before any evidence, over its best width, drafting
+    included), from the head where the head is not stepping aside, and takes a plain step
+    otherwise. The suffix draft is a function of the committed tokens and the head's record is the
+    past's, so the choice is made before any draft of the round is drawn and is lossless.
+    """
+
+    settings: AdaptiveSchedule
+    cost_table: CostTable
+    head: SlotAcceptance
+    suffix: SlotAcceptance
+    last_confidences: torch.Tensor | None = None  # [R, S] of the round being verified (each row its drafter's)
+    tokens: float | None = None  # running mean tokens per row of a head-drafted round
+    cost: float | None = None  # running mean cost of a head-drafted round, in plain steps
+    plain_steps_left: int = 0
+    backoff: int = 1
+
+    @property
+    def gain(self) -> float | None:
+        """Running tokens per plain step of head-drafted rounds (plain decoding: 1); None before any."""
+        return None if self.tokens is None or self.cost is None else self.tokens / self.cost
+
     def should_draft(self) -> bool:
-        """False while stepping aside."""
+        """Whether the head drafts this round: False while stepping aside."""
         if self.plain_steps_left > 0:
             self.plain_steps_left -= 1
             return False
         return True
 
-    def lengths(self, confidence_logits: torch.Tensor | None, num_rows: int, num_draft_tokens: int) -> torch.Tensor:
-        """:func:`lookahead_lengths` on the corrected confidences, or on the running acceptance without them."""
-        acceptance = self.acceptance[:num_draft_tokens]
-        if confidence_logits is None:
-            self.last_confidences = None
-            survival = acceptance.cumprod(dim=0).expand(num_rows, -1)
-        else:
-            self.last_confidences = confidences(confidence_logits, self.settings.temperatures).cpu()
-            correction = (self.accepted_by_slot + 1) / (self.confidence_by_slot + 1)
-            survival = (self.last_confidences * correction[:num_draft_tokens]).clamp(max=1.0).cumprod(dim=1)
-        return lookahead_lengths(survival, acceptance, self.cost_table)
+    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+        """``[R]`` each row's drafter: the suffix where it pays best, else the head unless it steps aside."""
+        head_turn = head_slots > 0 and self.should_draft()
+        fallback = DraftSource.HEAD if head_turn else DraftSource.PLAIN
+        if suffix_confidence_logits is None:
+            return torch.full((num_rows,), int(fallback), dtype=torch.int64)
+        survival = self.suffix.survival(confidences(suffix_confidence_logits).cpu())
+        suffix_gain = self._best_gain(survival, num_rows, draft_seconds=0.0)
+        bar = 1.0  # a plain step: one token per plain step
+        if head_turn:  # the head's expected gain from its acceptance so far (1/2 per slot before any)
+            head_survival = self.head.acceptance[:head_slots].cumprod(dim=0).expand(num_rows, -1)
+            bar = max(bar, float(self._best_gain(head_survival, num_rows, self.cost_table.draft_seconds).max()))
+        return torch.where(suffix_gain > bar, int(DraftSource.SUFFIX), int(fallback)).to(torch.int64)
 
-    def record(self, num_verified: torch.Tensor, num_emitted: torch.Tensor, live: torch.Tensor) -> None:
-        """Updates the running gain and per-slot acceptance, and decides whether to step aside.
+    def _best_gain(self, survival: torch.Tensor, num_rows: int, draft_seconds: float) -> torch.Tensor:
+        """``[R]`` expected tokens per plain step of a round verifying ``k`` drafts, at the best ``k``.
+
+        Args:
+            survival: ``[R, L]`` prefix survivals of the drafts.
+            num_rows: Rows of the forward (its cost is the batch's).
+            draft_seconds: What drafting the round costs.
+        """
+        table, survival = self.cost_table, survival.double()
+        base = table.verify_cost(num_rows)
+        expected = torch.cat([survival.new_zeros(len(survival), 1), survival.cumsum(dim=1)], dim=1) + 1
+        widths = range(survival.shape[1] + 1)  # k = 0 .. L drafts: a forward over 1 + k tokens per row
+        costs = survival.new_tensor([(draft_seconds + table.verify_cost(num_rows * (1 + k))) / base for k in widths])
+        return (expected / costs).amax(dim=1)
+
+    def lengths(
+        self,
+        confidence_logits: torch.Tensor | None,
+        num_rows: int,
+        num_draft_tokens: int,
+        sources: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`lookahead_lengths` on each row's corrected confidences (the running acceptance without them)."""
+        if sources is None:
+            sources = torch.full((num_rows,), int(DraftSource.HEAD), dtype=torch.int64)
+        sources = sources.cpu()
+        survival = torch.zeros(num_rows, num_draft_tokens)
+        acceptance = torch.zeros(num_rows, num_draft_tokens)
+        self.last_confidences = None
+        if confidence_logits is not None:
+            logits = confidence_logits[:, :num_draft_tokens].float().cpu()
+            head_confidences = confidences(logits, _padded(self.settings.temperatures, logits.shape[1]))
+            self.last_confidences = torch.where(
+                (sources == DraftSource.HEAD)[:, None], head_confidences, torch.sigmoid(logits)
+            )
+        for source, record in ((DraftSource.HEAD, self.head), (DraftSource.SUFFIX, self.suffix)):
+            rows = sources == source
+            if rows.any():
+                acceptance[rows] = record.acceptance[:num_draft_tokens]
+                given = None if self.last_confidences is None else self.last_confidences[rows]
+                if given is None or bool(given.isnan().any()):  # a drafter without confidences
+                    survival[rows] = record.acceptance[:num_draft_tokens].cumprod(dim=0)
+                else:
+                    survival[rows] = record.survival(given)
+        if confidence_logits is not None:  # slots past a row's drafts (a shorter block, a short match): none
+            filled = _filled_slots(confidence_logits.cpu()[:, :num_draft_tokens])
+            survival, acceptance = survival * filled, acceptance * filled
+        lengths = lookahead_lengths(survival, acceptance, self.cost_table)
+        return _within_drafts(lengths, sources, confidence_logits)
+
+    def record(
+        self,
+        num_verified: torch.Tensor,
+        num_emitted: torch.Tensor,
+        live: torch.Tensor,
+        sources: torch.Tensor | None = None,
+    ) -> None:
+        """Updates each drafter's per-slot acceptance and the head's running gain, and decides whether to step aside.
 
         Args:
             num_verified: ``[R]`` drafts verified per row this round.
             num_emitted: ``[R]`` tokens emitted (accepted + 1).
             live: ``[R]`` bool, the rows that had not stopped before the round (the others are ignored).
+            sources: ``[R]`` each row's drafter (None: the head's, every row).
         """
         live = live.cpu()
-        num_verified, num_accepted = num_verified.cpu()[live], num_emitted.cpu()[live] - 1
-        if not len(num_verified):
+        if sources is None:
+            sources = torch.full(live.shape, int(DraftSource.HEAD), dtype=torch.int64)
+        sources = sources.cpu()
+        num_verified, num_accepted = num_verified.cpu(), num_emitted.cpu() - 1
+        width = int(num_verified[live].max()) + 1 if live.any() else 1
+        for source, record in ((DraftSource.HEAD, self.head), (DraftSource.SUFFIX, self.suffix)):
+            rows = live & (sources == source)
+            if rows.any():
+                given = None if self.last_confidences is None else self.last_confidences[rows]
+                given = None if given is None or bool(given.isnan().any()) else given
+                record.record(num_verified[rows], num_accepted[rows], given)
+        head_rows = live & (sources == DraftSource.HEAD)
+        if not head_rows.any():
             return
-        slots = torch.arange(len(self.reached_by_slot))
-        reached = (slots[None] < num_verified[:, None]) & (slots[None] <= num_accepted[:, None])
-        self.reached_by_slot += reached.sum(0)
-        self.accepted_by_slot += (slots[None] < num_accepted[:, None]).sum(0)
-        if self.last_confidences is not None:
-            self.confidence_by_slot += (self.last_confidences[live] * reached).sum(0)
-        num_rows, width = len(num_verified), int(num_verified.max()) + 1
-        table = self.cost_table
+        num_rows, table = int(live.sum()), self.cost_table
         cost = (table.draft_seconds + table.verify_cost(num_rows * width)) / table.verify_cost(num_rows)
-        tokens, weight = float(num_accepted.sum() + num_rows) / num_rows, self.settings.smoothing
+        tokens = float(num_accepted[head_rows].sum() + head_rows.sum()) / float(head_rows.sum())
+        weight = self.settings.smoothing
         self.tokens = tokens if self.tokens is None else (1 - weight) * self.tokens + weight * tokens
         self.cost = cost if self.cost is None else (1 - weight) * self.cost + weight * cost
         if self.gain < 1.0:

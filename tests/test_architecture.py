@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     "spark_generate.telemetry": 2,
     "spark_generate.packing": 2,
     "spark_generate.drafting": 3,
+    "spark_generate.suffix": 3,
     "spark_generate.schedule": 3,
     "spark_generate.verify": 3,
     "spark_generate.profiling": 4,
@@ -46,6 +47,7 @@ LAYERS: dict[str, int] = {
     "spark_generate.modeling": 6,
     "spark_generate.zoo": 6,
     "spark_generate.prompt_sets": 6,
+    "spark_generate.copy_heavy": 6,
     "spark_generate.training": 7,
     "spark_generate.cli": 7,
     # The package root re-exports the public API of every layer.

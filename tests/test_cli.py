@@ -11,6 +11,8 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,6 +65,7 @@ def test_every_subcommand_explains_every_option(capsys):
             main([name, "--help"])
         assert exit_info.value.code == 0
         text = capsys.readouterr().out
+        assert text == subparser.format_help()  # which adds the subcommand's options to this parser too
         for action in subparser._actions:
             assert action.help, f"{name} {action.option_strings} has no help"
             assert action.option_strings[-1] in text
@@ -109,6 +112,10 @@ def test_end_to_end(tmp_path, target_folder, capsys):
         "do_sample": True, "temperature": 0.5, "max_new_tokens": 16, "seed": 0, "batch_size": 1,
         "schedule": DecodingSettings.schedule,
     }  # fmt: skip
+    environment = domain["environment"]  # where the speeds were measured
+    assert environment["device"] == "cpu" and environment["hardware"] and environment["dtype"] == "float32"
+    assert environment["num_threads"] == torch.get_num_threads() and "git_commit" in environment
+    assert all(environment["versions"][name] for name in ("python", "torch", "transformers", "spark_generate"))
     assert (tmp_path / "eval.png").exists()
 
     assert main(["card", "--head", str(checkpoint), "--eval", str(report), "--calibration", str(sts),
@@ -124,6 +131,7 @@ def test_end_to_end(tmp_path, target_folder, capsys):
         in card
     )
     assert "| STS calibration decoding | sampling at temperature 1, 24 new tokens per prompt" in card
+    assert f"| measured on (all domains) | {environment['hardware']} (cpu, {torch.get_num_threads()} threads" in card
 
 
 def test_convert_round_trips_between_the_speculators_and_deepspec_formats(tmp_path, target_folder, capsys):
@@ -246,6 +254,37 @@ def test_top_level_help_names_every_command_and_the_prompt_formats(capsys):
     assert ".txt holds one prompt per" in text and '"messages"' in text and "zoo name" in text
     assert ".jsonl" in _normalized_help(["calibrate", "--help"], capsys)
     assert _normalized_help(["--version"], capsys) == f"spark-generate {spark_generate.__version__}"
+
+
+def test_help_and_version_import_neither_torch_nor_transformers():
+    code = (
+        "import sys\n"
+        "from spark_generate.cli import main\n"
+        "for argv in (['--help'], ['--version']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0, exit.code\n"
+        "print(sorted(name for name in ('torch', 'transformers', 'triton') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]", "spark-generate --help must stay light: import lazily"
+
+
+def test_a_mistyped_head_folder_fails_first_in_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "model_cards" / "my-head").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat sat\n")
+    for command in ("calibrate", "eval"):  # the head is loaded before the (here missing) target
+        code = main([command, "--target", "no-such-target-folder/x/y", "--head", "model_cards/my-haed", "--prompts",
+                     str(prompts), "--output", str(tmp_path / "out.json")])  # fmt: skip
+        error = capsys.readouterr().err
+        assert code == 2 and error.count("\n") == 1, error
+        assert error.startswith(
+            f"spark-generate {command}: error: cannot load a DSpark head from 'model_cards/my-haed'"
+        )
+        assert f"the current directory is {tmp_path}" in error and "did you mean 'model_cards/my-head'" in error
 
 
 def test_a_zoo_name_is_a_target(tmp_path, target_folder, monkeypatch, capsys):

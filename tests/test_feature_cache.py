@@ -354,3 +354,52 @@ def test_max_minutes_stops_between_batches_and_the_next_call_goes_on(tmp_path):
     batch = data.batch([4, 5])
     live = target_states(target, TAPS, batch.input_ids, batch.attention_mask, CPU)
     assert_same_bits(cache.states([5], CPU, torch.bfloat16).features[0], live.features[1].to(torch.bfloat16))
+
+
+def test_opening_refuses_a_shard_corrupt_past_its_first_hash_chunk(tmp_path, monkeypatch):
+    """A 19 MiB shard (more than one 16 MiB read of the hash) with its very last byte flipped is refused.
+
+    Only the bytes matter here, so the target's states are stubbed out with a cheap pattern.
+    """
+
+    def patterned_states(target, layer_ids, input_ids, attention_mask, device):
+        values = (input_ids[..., None] + torch.arange(3 * 32)).float() / VOCAB
+        return TargetStates(values[..., :64], values[..., 64:])
+
+    monkeypatch.setattr(feature_cache_module, "target_states", patterned_states)
+    target = tiny_target()
+    ids = tuple(torch.randint(2, VOCAB, (25_000,), generator=torch.Generator().manual_seed(0)).tolist())
+    data = TokenDataset((ids,) * 4, ((1,) * len(ids),) * 4, "four long documents")
+    build(tmp_path, target, data)
+    shard = tmp_path / "shard-000000.bin"
+    assert shard.stat().st_size == 4 * 25_000 * ROW_BYTES > 16 * 2**20
+    open_cache(tmp_path, target, data)
+    with shard.open("r+b") as file:
+        file.seek(-1, 2)
+        last = file.read(1)
+        file.seek(-1, 2)
+        file.write(bytes([last[0] ^ 0x01]))
+    with pytest.raises(FeatureCacheError, match=r"shard-000000\.bin is corrupt"):
+        open_cache(tmp_path, target, data)
+
+
+def test_opening_refuses_a_cache_marked_complete_that_lists_too_few_documents(tmp_path):
+    target, data = tiny_target(), dataset()
+    build(tmp_path, target, data, shard_mib=40 * ROW_BYTES / 2**20)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 3
+    manifest["shards"] = manifest["shards"][:2]  # the last shard's entry lost, the flag kept
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureCacheError, match="holds 5 of 6 documents: its build did not finish"):
+        open_cache(tmp_path, target, data)
+
+
+def test_resuming_removes_a_stray_shard_the_manifest_does_not_list(tmp_path):
+    """A shard file past those the build will write (a copy, a killed build of other settings) does not survive."""
+    target, data = tiny_target(), dataset()
+    build(tmp_path, target, data, batch_size=2, max_minutes=0)
+    (tmp_path / "shard-000009.bin").write_bytes(b"stray")
+    result = build(tmp_path, target, data)
+    assert result.complete
+    listed = [shard["file"] for shard in json.loads((tmp_path / "manifest.json").read_text())["shards"]]
+    assert shard_files(tmp_path) == sorted(listed) == ["shard-000000.bin", "shard-000001.bin"]

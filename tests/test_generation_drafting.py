@@ -1,19 +1,22 @@
 """The draft side of the loop: head variants stay exact, and the draft context is the right one.
 
 Exactness does not depend on the drafts, so a bug in what the head is shown (wrong positions,
-holes left visible, a draft cache not advanced) would only lower acceptance. The last test
-catches such bugs directly: inside a ragged, left-padded batch it recomputes every drafted block
-from scratch (a fresh target forward over the row's committed tokens and a head forward without
-cache) and requires the same drafts.
+holes left visible, a draft cache not advanced) would only lower acceptance. One test catches such
+bugs directly: inside a ragged, left-padded batch it recomputes every drafted block from scratch (a
+fresh target forward over the row's committed tokens and a head forward without cache) and
+requires the same drafts. Another checks that a context cut to its catch-up limit keeps the newest
+committed rows, the ones next to the anchor.
 """
 
 import pytest
 import torch
-from test_generation import VOCAB, oracle, prompts, tiny_head, tiny_target
+from test_generation import VOCAB, OracleDrafter, oracle, prompts, tiny_head, tiny_target
 
+import spark_generate.generation as generation
 from spark_generate import FixedLength, decode
 from spark_generate.drafting import HeadDrafter
 from spark_generate.kernels import RandomStream
+from spark_generate.rows import UNSEEN_POSITION
 from spark_generate.sampling import sample
 
 
@@ -143,3 +146,26 @@ def test_sampled_drafts_are_the_seeded_draft_stream_draws(llama, draft_vocab_siz
             if block.vocab_ids is not None:
                 expected = block.vocab_ids[expected]
             assert torch.equal(block.token_ids[:, slot], expected)
+
+
+def test_a_context_cut_to_the_catch_up_limit_keeps_the_newest_rows(llama, monkeypatch):
+    """With the limit at 2 rows, after a block of 5 accepted tokens the head sees the 2 just before the anchor."""
+    monkeypatch.setattr(generation, "MAX_CATCH_UP_ROWS", 2)
+    head = tiny_head(llama, block_size=4)
+    input_ids, attention_mask = prompts(2)
+    plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16)
+    seen = []
+
+    class Recording(OracleDrafter):
+        def draft(self, request):
+            seen.append((request.context.positions, request.anchor_positions))
+            return super().draft(request)
+
+    spec = llama.generate(
+        input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16, custom_generate=decode,
+        dspark_head=head, dspark_drafter=lambda head: Recording(head, plain), dspark_schedule=FixedLength(),
+    )  # fmt: skip
+    assert torch.equal(spec, plain) and len(seen) >= 3
+    for positions, anchor_positions in seen[1:]:  # the first round reads the whole prompt
+        newest = positions.masked_fill(positions == UNSEEN_POSITION, -1).max(dim=1).values
+        assert positions.shape[1] == 2 and newest.tolist() == (anchor_positions - 1).tolist()

@@ -85,17 +85,27 @@ def exact_joint(target, setting: dict) -> torch.Tensor:
     return joint
 
 
-def chi_square_p_value(target, setting: dict, head, schedule, drafter=None) -> float:
-    """Generates ``NUM_ROWS`` samples (checking that drafts were accepted) and tests them."""
+def chi_square_p_value(
+    target, setting: dict, head, schedule, drafter=None, *, suffix: bool = False, stats: dict | None = None
+) -> float:
+    """Generates ``NUM_ROWS`` samples (checking that drafts were accepted) and tests them.
+
+    ``suffix`` turns suffix drafting on (off by default here, so the head alone is tested);
+    ``stats`` receives the generation's per-drafter counts.
+    """
     input_ids = PROMPT.expand(NUM_ROWS, -1)
     out = target.generate(
         input_ids, do_sample=True, max_new_tokens=NUM_NEW, custom_generate=decode, dspark_head=head,
-        dspark_seed=1234, dspark_schedule=schedule, dspark_drafter=drafter, return_dict_in_generate=True,
-        **{"top_k": None, **setting},
+        dspark_seed=1234, dspark_schedule=schedule, dspark_drafter=drafter, dspark_suffix=suffix,
+        return_dict_in_generate=True, **{"top_k": None, **setting},
     )  # fmt: skip
     assert out.dspark_stats.num_accepted.sum() > NUM_ROWS // 10, "the test must exercise accepted drafts"
-    if isinstance(schedule, AdaptiveSchedule):
+    if isinstance(schedule, AdaptiveSchedule) and not suffix:
         assert out.dspark_stats.num_plain_steps.sum() > 0, "the test must exercise the plain-step fallback"
+    if stats is not None:
+        stats.update(
+            rounds_by_source=out.dspark_stats.rounds_by_source, accepted_by_source=out.dspark_stats.accepted_by_source
+        )
     new = out.sequences[:, PROMPT.shape[1] :]
     index = sum(new[:, i] * VOCAB ** (NUM_NEW - 1 - i) for i in range(NUM_NEW))
     observed = torch.bincount(index, minlength=VOCAB**NUM_NEW).double()

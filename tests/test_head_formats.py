@@ -1,4 +1,8 @@
-"""Hub formats: speculators round trips, DeepSpec folders, the slot rule, offline Hub ids, bad files."""
+"""Hub formats: speculators round trips, DeepSpec folders, the slot rule, offline Hub ids, bad files, local paths.
+
+A head folder also carries the head's STS calibration (``calibration.json``), and a name that reads
+as a local path is never tried as a Hub id.
+"""
 
 import json
 import shutil
@@ -15,7 +19,7 @@ from transformers import AutoConfig, AutoModel
 from transformers.utils import hub
 
 from spark_generate.config import DSparkConfig
-from spark_generate.heads import DSparkCheckpointError, DSparkHead
+from spark_generate.heads import DSparkCheckpointError, DSparkHead, formats
 
 EXAMPLE_BLOCK = torch.tensor([[[5, 3, 3, 3]], [[17, 3, 3, 3]]])
 
@@ -370,3 +374,80 @@ def files_under(folder: str | Path) -> list[Path]:
 def test_unsupported_loading_options_fail_loudly(saved):
     with pytest.raises(TypeError, match=r"does not support \['device_map'\]"):
         DSparkHead.from_pretrained(saved, device_map="auto")
+
+
+# ------------------------------------------------------------------------- local paths and calibration
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("heads/my-haed", "'heads' is a folder in the current directory"),  # a typo under an existing folder
+        ("./my-head", "it starts with '.'"),
+        ("runs/one/my-head", "more than one path separator"),
+        ("~/no-such-dspark-head-folder", "it starts with '~'"),
+        ("my head", "it is not a valid Hub id"),
+    ],
+)
+def test_a_local_path_that_does_not_exist_is_one_line_and_never_a_hub_id(tmp_path, qwen3, monkeypatch, name, reason):
+    tiny_head(qwen3).save_pretrained(tmp_path / "heads" / "my-head")
+    monkeypatch.chdir(tmp_path)
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a local path was tried as a Hub id")
+
+    monkeypatch.setattr(formats, "snapshot_download", no_hub)
+    with pytest.raises(DSparkCheckpointError) as error:
+        DSparkHead.from_pretrained(name)
+    message = str(error.value)
+    assert error.value.__cause__ is None and error.value.__suppress_context__  # one exception, no chain
+    assert "\n" not in message and f"the current directory is {tmp_path}" in message and reason in message
+    assert f"no folder {Path(name).expanduser().resolve()}" in message
+    assert ("did you mean 'heads/my-head'" in message) == (name == "heads/my-haed")
+
+
+def test_a_file_or_an_absolute_path_is_local_and_a_folder_loads(tmp_path, qwen3):
+    tiny_head(qwen3).save_pretrained(tmp_path / "head")
+    with pytest.raises(DSparkCheckpointError, match=r"config.json is a file, not a head folder") as error:
+        DSparkHead.from_pretrained(str(tmp_path / "head" / "config.json"))
+    assert error.value.__cause__ is None
+    with pytest.raises(DSparkCheckpointError, match=f"no folder {tmp_path / 'gone'}"):
+        DSparkHead.from_pretrained(tmp_path / "gone")  # a Path object
+    assert isinstance(DSparkHead.from_pretrained(str(tmp_path / "head")), DSparkHead)
+
+
+def test_calibration_travels_with_the_head(tmp_path, qwen3):
+    head = tiny_head(qwen3, enable_confidence_head=True)
+    head.save_pretrained(tmp_path / "raw")
+    assert not (tmp_path / "raw" / "calibration.json").exists()
+    assert DSparkHead.from_pretrained(tmp_path / "raw").sts_temperatures is None
+    calibration = {"temperatures": [0.5, 1.0, 2.0, 4.0], "ece_before": [0.1] * 4}  # as `spark-generate calibrate`
+    (tmp_path / "raw" / "calibration.json").write_text(json.dumps(calibration))
+    loaded = DSparkHead.from_pretrained(tmp_path / "raw")
+    assert loaded.sts_temperatures.tolist() == [0.5, 1.0, 2.0, 4.0]
+    loaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "calibration.json").read_text()) == {"temperatures": [0.5, 1.0, 2.0, 4.0]}
+    assert DSparkHead.from_pretrained(tmp_path / "again").sts_temperatures.tolist() == [0.5, 1.0, 2.0, 4.0]
+    with pytest.raises(ValueError, match=r"expected 4 finite positive temperatures, one per draft slot"):
+        loaded.sts_temperatures = torch.tensor([1.0, 2.0])
+    (tmp_path / "raw" / "calibration.json").write_text('{"temperatures": [1.0, 2.0]}')
+    with pytest.raises(DSparkCheckpointError, match=r"expected 4 finite positive.*Recalibrate this head"):
+        DSparkHead.from_pretrained(tmp_path / "raw")
+    (tmp_path / "raw" / "calibration.json").write_text('{"temperatures": [1.0, -2.0, 1.0, 1.0]}')
+    with pytest.raises(DSparkCheckpointError, match=r"calibration.json holds temperatures=.*positive numbers"):
+        DSparkHead.from_pretrained(tmp_path / "raw")
+
+
+def test_a_bfloat16_head_drafting_for_a_float32_target_is_the_head_loaded_in_float32(tmp_path, qwen3):
+    """Also with a float32 confidence head stored next to bfloat16 weights: it is never rounded through bfloat16."""
+    head = tiny_head(qwen3, enable_confidence_head=True).to(torch.bfloat16)
+    head.confidence_head.float()
+    with torch.no_grad():
+        head.confidence_head.proj.weight.add_(1e-3)  # float32 values that bfloat16 cannot hold
+    head.save_pretrained(tmp_path)
+    drafting = DSparkHead.from_pretrained(tmp_path).for_drafting(qwen3)
+    in_float32 = DSparkHead.from_pretrained(tmp_path, dtype=torch.float32).attach(qwen3)
+    assert drafting.fc.weight.dtype == torch.float32
+    assert_same_weights(drafting, in_float32)
+    assert torch.equal(draft_logits(drafting, qwen3), draft_logits(in_float32, qwen3))
+    assert torch.equal(drafting.confidence_head.proj.weight, head.confidence_head.proj.weight)

@@ -393,3 +393,55 @@ def test_head_follows_a_bfloat16_target():
         step = head.draft_step(out.base_logits[:, 0, 0], out.draft_hidden[:, 0, 0], torch.tensor([3, 4]))
     assert out.base_logits.dtype == torch.bfloat16 and torch.isfinite(out.base_logits).all()
     assert step.confidence_logits.dtype == torch.float32
+
+
+def test_for_drafting_casts_a_copy_and_leaves_the_head_alone(llama):
+    """A head drafts in the target's dtype through a copy; the user's head keeps its dtype, weights and RNG."""
+    head = tiny_head(llama, enable_confidence_head=True)
+    assert head.for_drafting(llama) is head  # already in the target's dtype
+    head.to(torch.bfloat16).confidence_head.float()
+    head.sts_temperatures = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    weights = {name: tensor.clone() for name, tensor in head.state_dict().items()}
+    rng_state = torch.get_rng_state()
+    drafting = head.for_drafting(llama)
+    assert torch.equal(torch.get_rng_state(), rng_state)  # building the copy draws nothing from torch's generator
+    assert drafting is not head and drafting.fc.weight.dtype == torch.float32
+    assert drafting.confidence_head.proj.weight.dtype == torch.float32 and not drafting.training
+    assert drafting.sts_temperatures.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert drafting._target.lm_head is llama.get_output_embeddings()
+    assert head.fc.weight.dtype == torch.bfloat16
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in head.state_dict().items())
+    for name, tensor in drafting.state_dict().items():
+        assert torch.equal(tensor, weights[name].to(tensor.dtype)), name
+    assert head.for_drafting(llama) is drafting  # kept while the head's weights stay the same
+    head.sts_temperatures = None
+    assert head.for_drafting(llama) is not drafting and head.for_drafting(llama).sts_temperatures is None
+
+
+@pytest.mark.parametrize("write", ["data_add", "in_place", "replace", "buffer"])
+def test_for_drafting_builds_a_new_copy_when_the_weights_changed_any_way(llama, write):
+    head = tiny_head(llama).to(torch.bfloat16)
+    drafting = head.for_drafting(llama)
+    if write == "data_add":  # bumps neither the version nor the data pointer
+        head.fc.weight.data[0, 0] += 1
+    elif write == "in_place":
+        with torch.no_grad():
+            head.fc.weight.mul_(2)
+    elif write == "replace":
+        head.fc.weight = torch.nn.Parameter(head.fc.weight.detach().clone().flip(0))
+    else:
+        head.markov_head.markov_w1.weight.data[3] = 0.5
+    fresh = head.for_drafting(llama)
+    assert fresh is not drafting
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, head.state_dict()[name].to(tensor.dtype)), name
+
+
+def test_for_drafting_folds_the_feature_scale_into_the_copy(llama):
+    head = tiny_head(llama)
+    head.scale_target_features(torch.linspace(0.5, 2.0, head.fc.in_features))
+    features = target_features(head, llama, 5)
+    expected = head.fuse_target_features(features)
+    drafting = head.to(torch.float64).for_drafting(llama)
+    assert drafting.target_feature_scale is None  # a plain head, as save_pretrained writes it
+    torch.testing.assert_close(drafting.fuse_target_features(features), expected, atol=ATOL, rtol=0)

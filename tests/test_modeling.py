@@ -1,17 +1,22 @@
 """`DSparkForCausalLM`: behaves like the wrapped model, and `generate(..., assistant=...)` is exact.
 
 Covers the wrapper's delegation (config, device, dtype, forward, saving), plain ``generate()``
-without a head, heads given as objects or folders, ``stop_strings`` with a tokenizer (built in
-memory, nothing from the Hub), streaming text and the errors users hit first.
+without a head, heads given as objects or folders (every way of passing one head drafts the same:
+same dtype, same calibration), ``stop_strings`` with a tokenizer (built in memory, nothing from
+the Hub), streaming text and the errors users hit first.
 """
+
+import json
 
 import pytest
 import torch
+from conftest import tiny_target as float32_target
 from test_generation import PAD, VOCAB, oracle, prompts, tiny_head, tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
-from spark_generate import ConfidenceThreshold, DSparkForCausalLM, FixedLength, decode
+from spark_generate import AdaptiveSchedule, ConfidenceThreshold, DSparkForCausalLM, DSparkHead, FixedLength, decode
+from spark_generate.heads import DSparkCheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +55,26 @@ def test_behaves_like_the_wrapped_model(llama, tmp_path):
     )
 
 
-def test_without_a_head_it_is_plain_generate(llama):
+def test_without_a_head_or_suffix_drafting_it_is_plain_generate(llama):
     input_ids, attention_mask = prompts(2)
     torch.manual_seed(5)
     plain = llama.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8)
     torch.manual_seed(5)
     wrapped = DSparkForCausalLM(llama).generate(
-        input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8
+        input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=8, suffix=False
     )
     assert torch.equal(plain, wrapped)
+
+
+def test_without_a_head_it_drafts_from_the_suffix_index_unless_the_mode_needs_plain_generate(llama):
+    input_ids, attention_mask = prompts(2)
+    kwargs = {"attention_mask": attention_mask, "max_new_tokens": 8}
+    model = DSparkForCausalLM(llama)
+    out = model.generate(input_ids, do_sample=False, return_dict_in_generate=True, **kwargs)
+    assert out.dspark_stats is not None  # decoded by the DSpark loop, with the suffix drafter alone
+    assert torch.equal(out.sequences, llama.generate(input_ids, do_sample=False, **kwargs))
+    beams = model.generate(input_ids, num_beams=2, do_sample=False, **kwargs)  # beam search: plain generate()
+    assert torch.equal(beams, llama.generate(input_ids, num_beams=2, do_sample=False, **kwargs))
 
 
 def test_assistant_as_object_or_folder(llama, tmp_path):
@@ -159,8 +175,10 @@ def test_errors(llama):
         model.generate(input_ids, max_new_tokens=0)  # generate()'s own check, before any decoding
     with pytest.raises(ValueError, match="causal LM"):
         DSparkForCausalLM(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="needs a draft head"):
-        llama.generate(input_ids, max_new_tokens=4, custom_generate=decode)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        llama.generate(input_ids, max_new_tokens=4, custom_generate=decode, dspark_suffix=False)
+    with pytest.raises(ValueError, match="suffix='yes'; expected None"):
+        model.generate(input_ids, max_new_tokens=4, suffix="yes")
 
 
 def test_rough_edges_a_transformers_user_hits(llama):
@@ -197,12 +215,90 @@ def test_default_schedule_uses_the_calibration_of_a_head_folder(llama, tmp_path)
     head.save_pretrained(tmp_path)
     (tmp_path / "calibration.json").write_text('{"temperatures": [1.0, 2.0, 3.0, 4.0]}')
     model = DSparkForCausalLM(llama, tmp_path)
-    assert model._temperatures[model.head].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert model.head.sts_temperatures.tolist() == [1.0, 2.0, 3.0, 4.0]
     input_ids, _ = prompts(1)
     assert torch.equal(model.generate(input_ids, max_new_tokens=6), llama.generate(input_ids, max_new_tokens=6))
 
 
 def test_transformers_assistant_model_says_what_to_call_instead(llama):
     input_ids, _ = prompts(1)
-    with pytest.raises(AttributeError, match=r"not a Transformers assistant model.*DSparkForCausalLM"):
+    with pytest.raises(AttributeError) as error:
         llama.generate(input_ids, assistant_model=tiny_head(llama), max_new_tokens=4)
+    message = str(error.value)
+    assert "assistant_model=...) got a DSpark head" in message  # what was given
+    assert "expects a smaller causal LM" in message  # what was expected
+    assert "DSparkForCausalLM(target).generate(..., assistant=head)" in message and "dspark_head=head" in message
+    assert "vocab" not in message  # nothing about vocabulary sizes, which the user did not ask about
+
+
+# The calibration of the head folder below: temperatures this small make the confidences nearly 0 or 1,
+# so the default schedule verifies far fewer drafts than with the raw confidences (4 against 13 here).
+SHARP_TEMPERATURES = [0.05, 0.05, 0.05, 0.05]
+
+
+@pytest.fixture
+def calibrated_bfloat16_folder(tmp_path):
+    """A float32 target and its head saved in bfloat16 with a calibration.json, as the shipped head is."""
+    target = float32_target("llama", lm_head_scale=8.0)
+    tiny_head(target, enable_confidence_head=True).to(torch.bfloat16).save_pretrained(tmp_path / "head")
+    (tmp_path / "head" / "calibration.json").write_text(json.dumps({"temperatures": SHARP_TEMPERATURES}))
+    return target, tmp_path / "head"
+
+
+def test_every_way_of_passing_a_head_drafts_the_same(calibrated_bfloat16_folder, monkeypatch):
+    """A folder, a loaded head, a default head and decode() all draft in float32 with the folder's calibration."""
+    monkeypatch.setenv("SPARK_GENERATE_PROFILE", "0")  # the built-in cost table: the same plan on any machine
+    target, folder = calibrated_bfloat16_folder
+    input_ids = torch.randint(2, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    kwargs = {"do_sample": False, "max_new_tokens": 40, "return_dict_in_generate": True}
+    loaded = DSparkHead.from_pretrained(folder)
+    assert loaded.fc.weight.dtype == torch.bfloat16 and torch.equal(
+        loaded.sts_temperatures, torch.tensor(SHARP_TEMPERATURES)
+    )
+    outputs = {
+        "folder": DSparkForCausalLM(target).generate(input_ids, assistant=str(folder), **kwargs),
+        "from_pretrained": DSparkForCausalLM(target).generate(input_ids, assistant=loaded, **kwargs),
+        "default head": DSparkForCausalLM(target, folder).generate(input_ids, **kwargs),
+        "decode": target.generate(input_ids, custom_generate=decode, dspark_head=loaded, **kwargs),
+        "float32, explicit calibration": DSparkForCausalLM(target).generate(
+            input_ids, assistant=DSparkHead.from_pretrained(folder, dtype=torch.float32),
+            schedule=AdaptiveSchedule(temperatures=torch.tensor(SHARP_TEMPERATURES)), **kwargs,
+        ),
+    }  # fmt: skip
+    assert loaded.fc.weight.dtype == torch.bfloat16, "generation must not cast the user's head"
+    plain = target.generate(input_ids, do_sample=False, max_new_tokens=40)
+
+    def drafted(out) -> tuple:
+        stats = out.dspark_stats
+        return tuple(int(counts.sum()) for counts in (stats.num_drafted, stats.num_accepted, stats.num_plain_steps))
+
+    expected = drafted(outputs["folder"])
+    for way, out in outputs.items():
+        assert torch.equal(out.sequences, plain), way
+        assert drafted(out) == expected, way
+        assert torch.equal(out.dspark_stats.verified_by_position, outputs["folder"].dspark_stats.verified_by_position)
+    sampled = {"do_sample": True, "temperature": 0.8, "max_new_tokens": 12}  # seeds from torch's generator
+    torch.manual_seed(3)
+    from_folder = DSparkForCausalLM(target).generate(input_ids, assistant=str(folder), **sampled)
+    torch.manual_seed(3)
+    assert torch.equal(DSparkForCausalLM(target).generate(input_ids, assistant=loaded, **sampled), from_folder)
+    uncalibrated = (
+        DSparkForCausalLM(target)
+        .generate(input_ids, assistant=loaded, schedule=AdaptiveSchedule(), **kwargs)
+        .dspark_stats
+    )
+    assert int(uncalibrated.num_drafted.sum()) != expected[0], (
+        "the calibration must change the plan (else: a weak test)"
+    )
+
+
+def test_a_mistyped_head_folder_is_one_line_and_never_a_hub_id(llama, tmp_path, monkeypatch):
+    tiny_head(llama).save_pretrained(tmp_path / "heads" / "my-head")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DSparkCheckpointError) as error:
+        DSparkForCausalLM(llama).generate(prompts(1)[0], assistant="heads/my-haed", max_new_tokens=4)
+    assert error.value.__cause__ is None and error.value.__suppress_context__  # no chain of Hub errors
+    assert f"no folder {tmp_path / 'heads' / 'my-haed'}" in str(error.value)
+    assert f"the current directory is {tmp_path}" in str(error.value) and "did you mean 'heads/my-head'" in str(
+        error.value
+    )

@@ -7,6 +7,7 @@ that whole blocks are accepted, and the adaptive schedule's plain steps).
 """
 
 import json
+import threading
 
 import pytest
 import torch
@@ -82,6 +83,90 @@ def test_gradients_changed_weights_and_float64_take_the_right_path():
         assert num_packed == 0  # float64 weights are not packed
 
 
+def packed_differs_from_linear() -> tuple[nn.Linear, torch.Tensor]:
+    """A layer and inputs on which oneDNN's packed sum and ``F.linear`` round differently (checked)."""
+    torch.manual_seed(0)
+    layer, inputs = nn.Linear(1536, 64), torch.randn(3, 1536)
+    with torch.no_grad(), packed_linears(layer):
+        assert not torch.equal(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+    return layer, inputs
+
+
+@pytest.mark.parametrize("write", ["data_copy", "data_mul", "replace_same_shape", "swap_rows", "one_element"])
+def test_a_weight_changed_any_way_is_packed_again(write):
+    torch.manual_seed(0)
+    layer, inputs = nn.Linear(32, 24), torch.randn(5, 32)
+    with torch.no_grad(), packed_linears(layer):
+        layer(inputs)  # packed and cached
+    version = layer.weight._version
+    new_weight = torch.randn(24, 32)
+    if write == "data_copy":  # EMA and weight-loading code: bumps neither the version nor the data pointer
+        layer.weight.data.copy_(new_weight)
+    elif write == "data_mul":
+        layer.weight.data.mul_(-2)
+    elif write == "replace_same_shape":  # a new tensor: version 0 again, like the old one's
+        layer.weight = nn.Parameter(new_weight)
+    elif write == "swap_rows":
+        layer.weight.data.copy_(layer.weight.data.flip(0))
+    else:
+        layer.weight.data[7, 3] += 1.0
+    assert write == "replace_same_shape" or layer.weight._version == version
+    with torch.no_grad(), packed_linears(layer):
+        torch.testing.assert_close(layer(inputs), nn.functional.linear(inputs, layer.weight, layer.bias))
+
+
+def test_packing_belongs_to_the_call_not_the_layer():
+    """Threads share the layer: one packing it changes neither what nor how long another computes."""
+    layer, inputs = packed_differs_from_linear()
+    with torch.no_grad():
+        plain = nn.functional.linear(inputs, layer.weight, layer.bias)
+        with packed_linears(layer):
+            packed = layer(inputs)
+    entered, leave, left = threading.Event(), threading.Event(), threading.Event()
+
+    def other_call() -> None:
+        with torch.no_grad(), packed_linears(layer):
+            entered.set()
+            leave.wait(timeout=60)
+        left.set()
+
+    thread = threading.Thread(target=other_call, daemon=True)
+    thread.start()
+    try:
+        assert entered.wait(timeout=60)
+        with torch.no_grad():
+            assert torch.equal(layer(inputs), plain)  # another thread packs it; this call did not ask to
+            with packed_linears(layer) as num_packed:
+                assert num_packed == 1
+                leave.set()
+                assert left.wait(timeout=60)  # the other call left first: this one still packs
+                assert torch.equal(layer(inputs), packed)
+    finally:
+        leave.set()
+        thread.join()
+    assert not layers_with_own_forward(layer)
+
+
+def test_the_memory_guard_counts_half_of_the_free_memory_and_only_unpacked_layers(monkeypatch):
+    target = tiny_target()
+    packing.clear_packed_linears()
+    needed = sum(layer.weight.numel() * 4 for layer in target.modules() if type(layer) is nn.Linear)
+
+    def free_bytes(amount: int):
+        monkeypatch.setattr(packing.os, "sysconf", lambda name: 1 if name == "SC_PAGE_SIZE" else amount)
+
+    free_bytes(int(needed * 1.5))
+    assert not packing.resolve_pack_linears(target, None)  # fits in the free memory, not in half of it
+    free_bytes(int(needed * 2.5))
+    assert packing.resolve_pack_linears(target, None)
+    with torch.no_grad(), packed_linears(target):
+        pass  # every copy made: nothing more is needed
+    free_bytes(int(needed * 0.1))
+    assert packing.resolve_pack_linears(target, None)
+    packing.clear_packed_linears()
+    assert not packing.resolve_pack_linears(target, None)
+
+
 def test_resolve_pack_linears(monkeypatch):
     target = tiny_target()
     assert packing.resolve_pack_linears(target, None)
@@ -133,8 +218,8 @@ def test_profile_costs_measures_the_packing_it_is_given(monkeypatch):
     target = tiny_target()
     head = tiny_head(target)
     calls = []
-    packed_forward = packing._packed_forward
-    monkeypatch.setattr(packing, "_packed_forward", lambda *args: calls.append(1) or packed_forward(*args))
+    dispatch_forward = packing._dispatch_forward
+    monkeypatch.setattr(packing, "_dispatch_forward", lambda *args: calls.append(1) or dispatch_forward(*args))
     for pack in (False, True):
         calls.clear()
         profile_costs(target, head, batch_size=2, context_length=8, repeats=1, pack_linears=pack)

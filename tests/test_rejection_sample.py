@@ -129,6 +129,33 @@ def test_greedy_ties_go_to_the_first_index(backend):
     assert n.item() == 1 and out[0, 0].item() == 0
 
 
+def test_greedy_rows_emit_the_target_argmax_at_a_rejection_whatever_q_is(backend):
+    """A greedy row given the (non-one-hot) q its drafts came from still emits argmax p, never a residual draw.
+
+    Row 0 rejects at slot 0: ``max(p - q, 0) = (0.05, 0.4, 0)`` peaks at token 1, the target at token
+    0. Row 1 accepts its first draft and rejects at slot 1, where the residual peaks at token 2.
+    Random rows of mixed lengths follow.
+    """
+    target_probs = torch.tensor([
+        [[0.5, 0.4, 0.1], [0.2, 0.3, 0.5], [1 / 3, 1 / 3, 1 / 3]],
+        [[0.1, 0.7, 0.2], [0.6, 0.1, 0.3], [0.2, 0.2, 0.6]],
+    ])  # fmt: skip
+    draft_probs = torch.tensor([
+        [[0.45, 0.0, 0.55], [1 / 3, 1 / 3, 1 / 3]],
+        [[0.1, 0.8, 0.1], [0.5, 0.5, 0.0]],
+    ])  # fmt: skip
+    out, n = rejection_sample(target_probs, draft_probs, torch.tensor([[2, 0], [1, 1]]), torch.tensor([2, 2]),
+                              greedy=True, seed=0, backend=backend)  # fmt: skip
+    assert n.tolist() == [1, 2] and out.tolist() == [[0, -1, -1], [1, 0, -1]]
+
+    target_probs, draft_probs, draft_token_ids, num_draft_tokens = random_case(3, 16, 4, 7)
+    out, n = rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy=True, seed=1,
+                              backend=backend)  # fmt: skip
+    argmax = target_probs.argmax(-1)
+    for row in range(16):
+        assert out[row, : n[row]].tolist() == argmax[row, : n[row]].tolist(), row
+
+
 @given(cases, st.integers(0, 2**40))
 def test_rows_do_not_depend_on_the_rest_of_the_batch(case, seed):
     target_probs, draft_probs, draft_token_ids, num_draft_tokens = case
@@ -282,6 +309,18 @@ BAD_INPUTS = {
     "length too long": (dict(num_draft_tokens=torch.tensor([2])), "out of range; expected 0..K = 0..1"),
     "negative length": (dict(num_draft_tokens=torch.tensor([-1])), "out of range"),
     "nan target": (dict(target_probs=torch.tensor([[[float("nan"), 1.0], [0.5, 0.5]]])), "NaN"),
+    "nan bonus row": (
+        dict(target_probs=torch.tensor([[[0.5, 0.5], [float("nan"), 1.0]]])),
+        "target_probs\\[0, 1\\] holds NaN",
+    ),
+    "bonus row not normalised": (
+        dict(target_probs=torch.tensor([[[0.5, 0.5], [0.5, 0.6]]])),
+        "target_probs\\[0, 1\\] sums to 1.1",
+    ),
+    "infinite bonus row, no drafts": (
+        dict(target_probs=torch.tensor([[[float("inf"), 0.5], [0.5, 0.5]]]), num_draft_tokens=torch.tensor([0])),
+        "target_probs\\[0, 0\\] holds NaN, infinite",
+    ),
     "negative draft": (dict(draft_probs=torch.tensor([[[1.5, -0.5]]])), "negative"),
     "logits not probs": (dict(target_probs=torch.tensor([[[2.0, 1.0], [0.5, 0.5]]])), "sums to 3"),
     "token id out of vocab": (dict(draft_token_ids=torch.tensor([[5]])), "is not a token id"),

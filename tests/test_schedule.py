@@ -208,8 +208,8 @@ def test_adaptive_acceptance_is_per_slot_when_reached():
     table = CostTable(num_tokens=(1, 8), verify_seconds=(1.0, 1.0))
     run = AdaptiveSchedule(table).start(table, 3)
     run.record(torch.tensor([3, 3, 1, 0, 3]), torch.tensor([4, 2, 2, 1, 4]), torch.tensor([True] * 4 + [False]))
-    assert run.reached_by_slot.tolist() == [3, 2, 1] and run.accepted_by_slot.tolist() == [3, 1, 1]
-    assert torch.allclose(run.acceptance, torch.tensor([4 / 5, 2 / 4, 2 / 3]))
+    assert run.head.reached_by_slot.tolist() == [3, 2, 1] and run.head.accepted_by_slot.tolist() == [3, 1, 1]
+    assert torch.allclose(run.head.acceptance, torch.tensor([4 / 5, 2 / 4, 2 / 3]))
 
 
 def test_adaptive_corrects_the_confidences_by_past_acceptance():
@@ -219,9 +219,9 @@ def test_adaptive_corrects_the_confidences_by_past_acceptance():
     for accepted in [0, 1] * 20:  # slot 1 always reached, accepted every other round; slot 2 always rejected
         run.lengths(logits_of([[0.9, 0.9]]), 1, 2)
         run.record(torch.tensor([2]), torch.tensor([1 + accepted]), torch.tensor([True]))
-    assert run.reached_by_slot.tolist() == [40, 20] and run.accepted_by_slot.tolist() == [20, 0]
-    assert torch.allclose(run.confidence_by_slot, torch.tensor([36.0, 18.0]))
-    correction = (run.accepted_by_slot + 1) / (run.confidence_by_slot + 1)
+    assert run.head.reached_by_slot.tolist() == [40, 20] and run.head.accepted_by_slot.tolist() == [20, 0]
+    assert torch.allclose(run.head.confidence_by_slot, torch.tensor([36.0, 18.0]))
+    correction = (run.head.accepted_by_slot + 1) / (run.head.confidence_by_slot + 1)
     assert torch.allclose(correction, torch.tensor([21 / 37, 1 / 19]))
 
 

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 from spark_generate.config import DSparkConfig, DSparkConfigError
 from spark_generate.heads.backbone import DraftKVCache, DSparkDecoderLayer, block_attention_mask
 from spark_generate.heads.confidence import ConfidenceHead
-from spark_generate.heads.feature_scale import fc_input_scale, scale_fc_inputs
+from spark_generate.heads.feature_scale import export_state_dict, fc_input_scale, scale_fc_inputs
 from spark_generate.heads.hub_io import DSparkHubMixin
 from spark_generate.heads.markov import MarkovHead, MarkovStep
 from spark_generate.hf import Qwen3RMSNorm, Qwen3RotaryEmbedding
@@ -162,6 +162,8 @@ class DSparkHead(DSparkHubMixin):
             self.register_buffer("t2d", torch.arange(config.target_vocab_size) < config.draft_vocab_size)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._target: _TargetModules | None = None
+        # The last copy made by for_drafting, with what it was made for and from (see there).
+        self._drafting_copy: tuple[tuple[Any, ...], DSparkHead] | None = None
         self.post_init()
 
     @property
@@ -220,6 +222,41 @@ class DSparkHead(DSparkHubMixin):
             )
         self._target = _TargetModules(target_model.get_input_embeddings(), lm_head)
         return self
+
+    def for_drafting(self, target_model: PreTrainedModel) -> DSparkHead:
+        """The head that drafts for ``target_model``: this one, attached, or an attached copy in the target's dtype.
+
+        Generation drafts in the floating dtype of the target's LM head, however the head was passed
+        (a folder, a Hub id or a :class:`DSparkHead`), so the same head drafts the same tokens every
+        way. A head already in that dtype (or next to a target whose LM head is not floating point,
+        e.g. quantized) is returned as is. Any other head is **not modified**: the copy is rebuilt
+        from its saved form (feature scale folded, as :meth:`save_pretrained` writes it) and cast
+        like ``from_pretrained(folder, dtype=...)`` casts (the confidence head stays float32), so it
+        equals the head loaded in the target's dtype; it keeps :attr:`sts_temperatures` and sits on
+        this head's device. The copy is kept for the next call while this head's weights stay the
+        same: each call compares a fingerprint of them (data pointers, version counters and an
+        integer sum of their bits, so a change through ``.data`` counts too) and builds a new copy
+        when it differs. Load the head in the target's dtype to draft without a copy:
+        ``DSparkHead.from_pretrained(folder, dtype=target.dtype)``.
+
+        Raises:
+            DSparkConfigError: If the target does not match the head (see :meth:`attach`).
+        """
+        self.attach(target_model)
+        dtype = self._require_target().lm_head.weight.dtype
+        if not dtype.is_floating_point or dtype == self.fc.weight.dtype:
+            return self
+        key = (dtype, self.fc.weight.device, _fingerprint(self), self.sts_temperatures)
+        cached = self._drafting_copy
+        if cached is not None and _same_key(cached[0], key):
+            return cached[1].attach(target_model)
+        with torch.random.fork_rng(devices=[]):  # building a head draws a random initialization: leave no trace
+            head = type(self)(self.config)
+        head.load_state_dict(export_state_dict(self))
+        head._place(dtype=dtype, device=self.fc.weight.device)
+        head.sts_temperatures = self.sts_temperatures
+        self._drafting_copy = (key, head)
+        return head.attach(target_model).eval()
 
     def set_draft_vocab(self, draft_vocab_ids: torch.Tensor) -> None:
         """Sets a reduced draft vocabulary: ``t2d``, ``d2t`` and the LM head rows (from the target).
@@ -467,3 +504,25 @@ class DSparkHead(DSparkHubMixin):
         if self.markov_head is not None:
             markov = self.markov_head.teacher_forced(prev_token_ids, draft_hidden, markov_state)
         return DraftBlockLogits(*self._correct(base_logits, draft_hidden, markov))
+
+
+def _fingerprint(module: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """Per parameter and buffer: data pointer, version counter, and the integer sum of its bits."""
+    prints = []
+    for tensor in (*module.parameters(), *module.buffers()):
+        data = tensor.detach()
+        if data.dtype.is_floating_point:
+            data = data.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[data.element_size()])
+        prints.append((data.data_ptr(), tensor._version, int(data.sum(dtype=torch.int64))))
+    return tuple(prints)
+
+
+def _same_key(cached: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
+    """Whether two :meth:`DSparkHead.for_drafting` keys are equal (temperatures compared by value)."""
+    *cached_rest, cached_temperatures = cached
+    *rest, temperatures = key
+    if cached_rest != rest:
+        return False
+    if cached_temperatures is None or temperatures is None:
+        return cached_temperatures is temperatures
+    return torch.equal(cached_temperatures, temperatures)

@@ -22,13 +22,16 @@ prompts, up to argmax ties that float rounding breaks differently in the two pas
 
 Online numbers depend on how the prompts are decoded, so every :class:`DomainReport` carries its
 :class:`DecodingSettings` (greedy or sampled, temperature, new tokens, seed, batch size and
-schedule), and its JSON record says how it was measured. Sampling is temperature sampling only (no
-top-k or top-p from the model's generation config or ``generate()``'s defaults), and each prompt
-samples with its own seed drawn from the recorded one (:meth:`DecodingSettings.prompt_seed`).
+schedule); speeds also depend on the machine, so it carries where it was measured too
+(:func:`measurement_environment`: hardware, device, thread count, dtype, versions and commit), and
+its JSON record says both. Sampling is temperature sampling only (no top-k or top-p from the
+model's generation config or ``generate()``'s defaults), and each prompt samples with its own seed
+drawn from the recorded one (:meth:`DecodingSettings.prompt_seed`).
 """
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,7 @@ from spark_generate.training.data import TokenDataset
 from spark_generate.training.feature_cache import target_states
 from spark_generate.training.losses import LossWeights
 from spark_generate.training.metrics import DecodingWalk, TeacherForcedMetrics, decoding_walk
+from spark_generate.training.provenance import git_commit, package_versions
 from spark_generate.training.trainer import BlockModel, teacher_forced_step
 
 __all__ = [
@@ -56,6 +60,7 @@ __all__ = [
     "evaluate_online",
     "evaluate_teacher_forced",
     "evaluate_teacher_forced_decoding",
+    "measurement_environment",
     "plot_domains",
     "plot_history",
 ]
@@ -147,6 +152,42 @@ class OnlineMetrics:
     num_new_tokens: int
 
 
+def _hardware_name(device: torch.device) -> str:
+    """The GPU's name for a CUDA device, else the CPU's model name (``/proc/cpuinfo``, or ``platform``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measurement_environment(target: PreTrainedModel) -> dict[str, object]:
+    """Where a speed was measured: hardware, device, torch threads, the target's dtype, versions and commit.
+
+    Args:
+        target: The target; its first parameter's device and dtype are recorded.
+
+    Returns:
+        ``hardware`` (GPU or CPU model), ``device``, ``num_threads`` (``torch.get_num_threads()``),
+        ``dtype``, ``versions`` (Python and the packages that shape the numbers, see
+        :func:`~spark_generate.training.provenance.package_versions`) and ``git_commit`` (None
+        outside a git checkout).
+    """
+    parameter = next(target.parameters())
+    return {
+        "hardware": _hardware_name(parameter.device),
+        "device": str(parameter.device),
+        "num_threads": torch.get_num_threads(),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "versions": package_versions(),
+        "git_commit": git_commit(),
+    }
+
+
 @dataclass(frozen=True)
 class DomainReport:
     """Speculative decoding against plain ``generate()`` on one prompt set, in the same run.
@@ -156,12 +197,14 @@ class DomainReport:
         tokens_per_second: New tokens per second with the head.
         baseline_tokens_per_second: New tokens per second of plain ``generate()``.
         decoding: How both runs decoded.
+        environment: Where both ran (:func:`measurement_environment`).
     """
 
     online: OnlineMetrics
     tokens_per_second: float
     baseline_tokens_per_second: float
     decoding: DecodingSettings
+    environment: dict[str, object]
 
     @property
     def speedup(self) -> float:
@@ -178,6 +221,7 @@ class DomainReport:
             "baseline_tokens_per_second": self.baseline_tokens_per_second,
             "speedup": self.speedup,
             "decoding": self.decoding.to_dict(),
+            "environment": self.environment,
         }
 
 
@@ -405,7 +449,7 @@ def evaluate_domain(
         progress: Label of the tqdm progress bars of both runs (on stderr); None shows none.
 
     Returns:
-        Both throughputs, the online statistics and the decoding settings.
+        Both throughputs, the online statistics, the decoding settings and the machine.
     """
     settings = DecodingSettings(do_sample=do_sample, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     start = time.perf_counter()
@@ -428,7 +472,11 @@ def evaluate_domain(
         baseline_tokens += output.shape[1] - len(prompt)
     baseline_seconds = time.perf_counter() - start
     return DomainReport(
-        online, online.num_new_tokens / speculative_seconds, baseline_tokens / baseline_seconds, settings
+        online,
+        online.num_new_tokens / speculative_seconds,
+        baseline_tokens / baseline_seconds,
+        settings,
+        measurement_environment(target),
     )
 
 

@@ -1,0 +1,194 @@
+"""What each schedule decides, one row at a time: never from later slots, and by hand where it is only speed.
+
+Losslessness: the confidence of slot ``j`` reads the draft ``d_{j-1}``, so whether slot ``j`` is
+verified must be a function of the confidences of slots ``<= j`` (and the past) only. Under
+Hypothesis, every schedule (fixed, threshold, Algorithm 1 and the adaptive default after a drawn
+history of rounds) is given two confidence vectors of one row that agree on slots ``0..j`` and
+differ freely after ``j``; ``min(length, j + 1)``, i.e. whether each of slots ``0..j`` is verified,
+must come out the same. Cost tables are drawn too, including the CPU-like shape (a steep first
+draft, then nearly flat) on which the adaptive lookahead admits a block that no single slot pays
+for: that is where a search that skipped a non-paying slot and went on would let a later slot's
+confidence decide whether the earlier ones are verified. The consequence of such a bug on the
+output law is checked too, by a chi-square test on the paper's Appendix A construction, replayed
+after a history in which that search would go wrong.
+
+Speed: what the adaptive schedule decides does not change the output distribution, so nothing
+else pins it; here its arithmetic is checked against decisions computed by hand on small tables:
+later slots are projected with *their own* past acceptance, confidences corrected above 1 are
+clamped to 1, and a round costs a forward over its drafts *and* its anchor.
+"""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from spark_generate import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
+from spark_generate.kernels import RandomStream, rejection_sample
+from spark_generate.sampling import sample
+from spark_generate.schedule import AdaptiveRun, lookahead_lengths
+
+NUM_SLOTS = 4
+# Confidences, the extremes drawn often: a head sure of a slot, or sure it fails, is where plans change most.
+confidence = st.sampled_from([0.01, 0.99]) | st.floats(0.01, 0.99)
+
+
+@st.composite
+def cost_tables(draw) -> CostTable:
+    """Positive costs at increasing token counts, or the CPU shape: a steep first draft, then nearly flat."""
+    if draw(st.booleans()):
+        step = draw(st.floats(0.3, 1.5))
+        return CostTable((1, 2, 12), (1.0, 1.0 + step, 1.1 + step), draft_seconds=draw(st.floats(0.0, 0.5)))
+    num_points = draw(st.integers(1, 5))
+    points = sorted(draw(st.sets(st.integers(1, 12), min_size=num_points, max_size=num_points)))
+    seconds = draw(st.lists(st.floats(0.1, 5.0), min_size=num_points, max_size=num_points))
+    return CostTable(tuple(points), tuple(seconds), draft_seconds=draw(st.floats(0.0, 1.0)))
+
+
+@st.composite
+def histories(draw) -> list[tuple[list[float], int, int]]:
+    """Past drafted rounds of one row, each repeated a few times: (confidences, drafts verified, tokens emitted)."""
+    rounds = []
+    for _ in range(draw(st.integers(0, 3))):
+        verified = draw(st.integers(0, NUM_SLOTS))
+        past = draw(st.lists(confidence, min_size=NUM_SLOTS, max_size=NUM_SLOTS))
+        rounds += [(past, verified, draw(st.integers(1, verified + 1)))] * draw(st.integers(1, 6))
+    return rounds
+
+
+def logits_of(confidences: list[float]) -> torch.Tensor:
+    """``[1, S]`` confidence logits of one row."""
+    return torch.logit(torch.tensor([confidences], dtype=torch.float64)).float()
+
+
+def adaptive_after(table: CostTable, history, num_slots: int = NUM_SLOTS, temperatures=None) -> AdaptiveRun:
+    """An adaptive run of one row that has planned, verified and recorded the rounds of ``history``."""
+    run = AdaptiveSchedule(table, temperatures=temperatures).start(table, num_slots)
+    for past, verified, emitted in history:
+        run.lengths(logits_of(past[:num_slots]), 1, num_slots)
+        run.record(torch.tensor([verified]), torch.tensor([emitted]), torch.tensor([True]))
+    return run
+
+
+def one_row_lengths(
+    name: str, table: CostTable, history, temperatures: torch.Tensor | None, threshold: float
+) -> Callable[[list[float]], int]:
+    """A function from one row's confidences to its verify length, for the schedule ``name``.
+
+    The adaptive schedule first goes through the rounds of ``history``; the fixed length is the
+    threshold's share of the block.
+    """
+    if name == "adaptive":
+        run = adaptive_after(table, history, temperatures=temperatures)
+        return lambda confidences: int(run.lengths(logits_of(confidences), 1, NUM_SLOTS)[0])
+    schedule = {
+        "fixed": FixedLength(int(threshold * (NUM_SLOTS + 1))),
+        "threshold": ConfidenceThreshold(threshold, temperatures),
+        "goodput": GoodputSchedule(table, temperatures),
+    }[name]
+    return lambda confidences: int(schedule(logits_of(confidences), 1, NUM_SLOTS)[0])
+
+
+# Slot 1 was reached and rejected three times where the head said 0.01: its acceptance is 1/5, its
+# correction near 1, so a confident slot 1 is valued at once and the slots after it at the prior 1/2.
+REJECTED_SLOT_1 = [([0.99, 0.01, 0.01, 0.01], 2, 2)] * 3
+CPU_COSTS = CostTable((1, 2, 12), (1.0, 2.0, 2.1), draft_seconds=0.2)
+
+
+@pytest.mark.parametrize("name", ["adaptive", "goodput", "threshold", "fixed"])
+@given(
+    table=cost_tables(),
+    history=histories(),
+    confidences=st.lists(confidence, min_size=NUM_SLOTS, max_size=NUM_SLOTS),
+    later=st.lists(confidence, min_size=NUM_SLOTS, max_size=NUM_SLOTS),
+    temperatures=st.none() | st.lists(st.floats(0.25, 4.0), min_size=NUM_SLOTS, max_size=NUM_SLOTS),
+    threshold=st.floats(0.0, 0.99),
+)
+@example(  # no slot pays alone; a lookahead going on past slot 0 admitted slots 0-3 when slot 1 was confident
+    table=CPU_COSTS, history=REJECTED_SLOT_1, confidences=[0.602, 0.487, 0.838, 0.19], later=[0.5] * NUM_SLOTS,
+    temperatures=None, threshold=0.5,
+)  # fmt: skip
+def test_whether_a_slot_is_verified_never_depends_on_later_slots(
+    name, table, history, confidences, later, temperatures, threshold
+):
+    """For every slot j, confidences equal on slots 0..j give the same ``min(length, j + 1)``.
+
+    The later slots are replaced by drawn values, and by the most and least confident ones.
+    """
+    lengths = one_row_lengths(name, table, history, temperatures and torch.tensor(temperatures), threshold)
+    length = lengths(confidences)
+    for slot in range(NUM_SLOTS):
+        for replacement in (later, [0.99] * NUM_SLOTS, [0.01] * NUM_SLOTS):
+            changed = confidences[: slot + 1] + replacement[slot + 1 :]
+            assert min(length, slot + 1) == min(lengths(changed), slot + 1), (slot, confidences, changed)
+
+
+def test_a_later_slot_confident_only_after_one_draft_leaves_the_first_token_exact():
+    """Appendix A after a history: the output law of the first token stays the target's (0.7, 0.3).
+
+    Three slots of two tokens, drafts uniform; ``c_0 = 0.75``, ``c_1 = 0.99`` when ``d_0 = 0`` and
+    0.01 otherwise, ``c_2 = 0.99``; the run remembers slot 1 rejected three times at confidence
+    0.01. Verifying nothing is best whatever ``d_0`` is. A lookahead that went on past slot 0 would
+    verify the block exactly when ``d_0 = 0`` (always accepted: ``p / q = 1.4``), so token 0 would
+    come out with probability ``0.5 + 0.5 * 0.7 = 0.85``.
+    """
+    num_rows, table = 20_000, CostTable((1, 2, 12), (1.0, 2.0, 2.1))
+    run = adaptive_after(table, REJECTED_SLOT_1, num_slots=3)
+    length_after = {
+        first: int(run.lengths(logits_of([0.75, c_1, 0.99]), 1, 3)[0]) for first, c_1 in [(0, 0.99), (1, 0.01)]
+    }
+    seeds = torch.arange(num_rows, dtype=torch.int64)
+    draft_probs = torch.full((num_rows, 3, 2), 0.5)
+    drafts = torch.stack(
+        [sample(draft_probs[:, slot], seed=seeds, positions=1 + slot, stream=RandomStream.DRAFT) for slot in range(3)],
+        dim=1,
+    )
+    num_verified = torch.where(drafts[:, 0] == 0, length_after[0], length_after[1])
+    target_probs = torch.tensor([[0.7, 0.3]] + [[0.5, 0.5]] * 3).expand(num_rows, -1, -1).contiguous()
+    output, _ = rejection_sample(target_probs, draft_probs, drafts, num_verified, seed=seeds, positions=1)
+    counts = torch.bincount(output[:, 0], minlength=2).double()
+    assert chisquare(counts.numpy(), [0.7 * num_rows, 0.3 * num_rows]).pvalue > 1e-4, (counts, length_after)
+
+
+# ----------------------------------------------------------------------------- speed: decisions by hand
+
+
+def test_the_lookahead_projects_each_later_slot_with_its_own_acceptance():
+    """One row, survivals (0.7, 0.49), past acceptance 0.1 at slot 0 and 0.9 at slot 1; SPS(n) = 1 / cost.
+
+    Costs 1, 2 and 2.05 for 1, 2 and 3 tokens. Stopping: 1 token per 1. Slot 0 alone: 1.7 / 2 = 0.85;
+    with slot 1 projected at its own acceptance 0.9: (1.7 + 0.7 * 0.9) / 2.05 = 1.137 > 1, so slot 0
+    is admitted (at slot 0's 0.1 it would be 1.77 / 2.05 = 0.863: nothing verified). Then slot 1 on
+    its survival: 2.19 / 2.05 = 1.068 > 0.85: both are verified.
+    """
+    table = CostTable((1, 2, 3), (1.0, 2.0, 2.05))
+    assert lookahead_lengths(torch.tensor([[0.7, 0.49]]), torch.tensor([0.1, 0.9]), table).tolist() == [2]
+
+
+def test_corrected_confidences_are_clamped_to_one():
+    """A head that said 0.5 for a first slot accepted in all 4 rounds is corrected by (4 + 1) / (2 + 1) = 5/3.
+
+    Its next 0.9 becomes 1.5, clamped to 1: one sure draft yields 2 tokens for a forward costing 2.25
+    single steps, 0.89 per step against plain decoding's 1, so nothing is verified (a survival of 1.5
+    would claim 2.5 / 2.25 = 1.11 and verify it).
+    """
+    table = CostTable((1, 2), (1.0, 2.25))
+    run = adaptive_after(table, [([0.5], 1, 2)] * 4, num_slots=1)
+    assert run.head.accepted_by_slot.tolist() == [4] and run.head.confidence_by_slot.tolist() == [2.0]
+    assert run.lengths(logits_of([0.9]), 1, 1).tolist() == [0]
+
+
+def test_a_round_costs_a_forward_over_its_drafts_and_its_anchor():
+    """One row verified one draft and emitted 2 tokens; drafting costs 0.2, a forward 1 over one token, 1.9 over two.
+
+    The round cost 0.2 + 1.9 = 2.1 plain steps for 2 tokens: a gain of 0.95 < 1, so the next round
+    steps aside (costed without the anchor, 1.2 steps, it would have seemed to pay 1.67).
+    """
+    table = CostTable((1, 2), (1.0, 1.9), draft_seconds=0.2)
+    run = AdaptiveSchedule(table).start(table, 4)
+    run.record(torch.tensor([1]), torch.tensor([2]), torch.tensor([True]))
+    assert run.cost == pytest.approx(2.1) and run.gain == pytest.approx(2 / 2.1)
+    assert not run.should_draft()
