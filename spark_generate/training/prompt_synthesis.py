@@ -1270,7 +1270,7 @@ class _PromptFile:
                 "both to start over."
             )
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = os.open(path, os.O_RDWR | os.O_CREAT)
+        self.file = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a data file, not executable
         os.truncate(self.file, committed)  # drops a chunk whose write was cut off, if any
         os.lseek(self.file, committed, os.SEEK_SET)
         self.clock = time.monotonic()

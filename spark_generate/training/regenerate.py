@@ -326,7 +326,7 @@ class _Records:
                 f"{path} is missing or shorter than the {committed} bytes {self.progress_path.name} records; delete "
                 "both (and the .meta.json) to start over."
             )
-        self.file = os.open(path, os.O_RDWR | os.O_CREAT)
+        self.file = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a data file, not executable
         os.truncate(self.file, committed)  # drops a record whose write was cut off, if any
         os.lseek(self.file, committed, os.SEEK_SET)
         self.done = {json.loads(line)["index"] for line in path.read_bytes().splitlines()}
