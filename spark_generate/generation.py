@@ -82,6 +82,7 @@ class DecodeSettings:
     target: PreTrainedModel
     num_draft_tokens: int  # slots of a round's block: the widest drafter's
     head_slots: int  # the head's draft slots, 0 without a head
+    vocab_size: int  # the target's (rows of its LM head)
     logits_processor: LogitsProcessorList
     warpers: LogitsProcessorList  # the processors that also apply to draft logits
     stopping_criteria: StoppingCriteriaList
@@ -311,6 +312,7 @@ def speculative_generate(
             settings = DecodeSettings(
                 target=target, num_draft_tokens=num_drafts, logits_processor=logits_processor,
                 head_slots=0 if head is None else head.config.num_draft_tokens,
+                vocab_size=target.get_output_embeddings().weight.shape[0],
                 warpers=LogitsProcessorList() if greedy else vocabulary_free_processors(logits_processor),
                 stopping_criteria=stopping_criteria, max_length=generation_config.max_length,
                 cache_kwarg=cache_kwarg, tap=tap, streamer=streamer,
@@ -491,8 +493,8 @@ def draft_round(
         running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache
     if bool((sources == DraftSource.PLAIN).all()):
         return DraftBlock.nothing(anchor_ids), sources
-    vocab_size = settings.target.get_output_embeddings().weight.shape[0]
-    return DraftBlock.by_row(blocks, sources.to(anchor_ids.device), settings.num_draft_tokens, vocab_size), sources
+    block = DraftBlock.by_row(blocks, sources.to(anchor_ids.device), settings.num_draft_tokens, settings.vocab_size)
+    return block, sources
 
 
 def commit(

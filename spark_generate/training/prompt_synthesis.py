@@ -94,6 +94,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 import spark_generate.prompt_sets as prompt_sets
 from spark_generate.training.provenance import package_versions, target_identity
+from spark_generate.training.regenerate import append_lines, open_lines, write_json_atomically
 
 __all__ = [
     "ANSWER_OPENINGS",
@@ -1218,13 +1219,6 @@ _EXAMPLES_PER_REASON = 3
 _EXAMPLE_CHARS = 300
 
 
-def _write_json(path: Path, value: dict) -> None:
-    """Replaces ``path`` atomically (a temporary file renamed over it)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(temporary, path)
-
-
 def _digest(texts: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps(list(texts)).encode()).hexdigest()
 
@@ -1270,9 +1264,7 @@ class _PromptFile:
                 "both to start over."
             )
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a data file, not executable
-        os.truncate(self.file, committed)  # drops a chunk whose write was cut off, if any
-        os.lseek(self.file, committed, os.SEEK_SET)
+        self.file = open_lines(path, committed)
         self.clock = time.monotonic()
         self.write_report()
 
@@ -1281,18 +1273,14 @@ class _PromptFile:
         return [json.loads(line)["prompt"] for line in self.path.read_bytes().splitlines()]
 
     def write_report(self) -> None:
-        _write_json(self.report_path, {"settings": self.settings, **self.report})
+        write_json_atomically(self.report_path, {"settings": self.settings, **self.report})
 
     def commit(self, records: list[dict], num_done: int) -> None:
         """Appends ``records`` as whole lines, then records the new length and counts atomically."""
-        data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
-        written = 0
-        while written < len(data):
-            written += os.write(self.file, data[written:])
-        os.fsync(self.file)
+        num_bytes = append_lines(self.file, records)
         now = time.monotonic()
         progress = self.report["progress"]
-        progress["committed_bytes"] += len(data)
+        progress["committed_bytes"] += num_bytes
         progress["num_done"] = num_done
         progress["num_kept"] += len(records)
         progress["seconds"] += now - self.clock

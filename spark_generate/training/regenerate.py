@@ -292,11 +292,32 @@ def _record(index: int, prompt: list[int], answer: list[int]) -> dict:
     return {"index": index, "input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
 
 
-def _write_json(path: Path, value: dict) -> None:
+def write_json_atomically(path: Path, value: dict) -> None:
     """Replaces ``path`` atomically (a temporary file renamed over it)."""
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(value, indent=2) + "\n")
     os.replace(temporary, path)
+
+
+def open_lines(path: Path, committed_bytes: int) -> int:
+    """Opens an append-only JSON-lines file at its last committed byte: a descriptor to :func:`append_lines` to.
+
+    Whatever follows ``committed_bytes`` (a line whose write was cut off) is dropped.
+    """
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a data file, not executable
+    os.truncate(descriptor, committed_bytes)
+    os.lseek(descriptor, committed_bytes, os.SEEK_SET)
+    return descriptor
+
+
+def append_lines(descriptor: int, records: list[dict]) -> int:
+    """Appends ``records`` as whole JSON lines and syncs them to disk; returns the bytes written."""
+    data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
+    written = 0
+    while written < len(data):
+        written += os.write(descriptor, data[written:])
+    os.fsync(descriptor)
+    return len(data)
 
 
 class _Records:
@@ -319,35 +340,29 @@ class _Records:
                 "regenerate; choose another output file, or delete it to start over."
             )
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(self.meta_path, meta)
+        write_json_atomically(self.meta_path, meta)
         committed = self.progress["committed_bytes"]
         if committed and (not path.exists() or path.stat().st_size < committed):
             raise ValueError(
                 f"{path} is missing or shorter than the {committed} bytes {self.progress_path.name} records; delete "
                 "both (and the .meta.json) to start over."
             )
-        self.file = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # a data file, not executable
-        os.truncate(self.file, committed)  # drops a record whose write was cut off, if any
-        os.lseek(self.file, committed, os.SEEK_SET)
+        self.file = open_lines(path, committed)
         self.done = {json.loads(line)["index"] for line in path.read_bytes().splitlines()}
         self.clock = time.monotonic()
 
     def commit(self, records: list[dict]) -> None:
         """Appends ``records`` as whole lines, then records the new length and counts atomically."""
-        data = b"".join(json.dumps(record).encode() + b"\n" for record in records)
-        written = 0
-        while written < len(data):
-            written += os.write(self.file, data[written:])
-        os.fsync(self.file)
+        num_bytes = append_lines(self.file, records)
         now = time.monotonic()
         self.progress = {
-            "committed_bytes": self.progress["committed_bytes"] + len(data),
+            "committed_bytes": self.progress["committed_bytes"] + num_bytes,
             "num_done": self.progress["num_done"] + len(records),
             "answer_tokens": self.progress["answer_tokens"] + sum(sum(record["loss_mask"]) for record in records),
             "seconds": self.progress["seconds"] + now - self.clock,
         }
         self.clock = now
-        _write_json(self.progress_path, self.progress)
+        write_json_atomically(self.progress_path, self.progress)
         self.done.update(record["index"] for record in records)
 
     def close(self) -> None:
