@@ -290,12 +290,17 @@ class AdaptiveSchedule:
         temperatures: Optional ``[S]`` STS temperatures of the confidence head.
         smoothing: Weight of the newest drafted round in the running means of the gain.
         max_backoff: The most plain steps between two probing rounds.
+        probe_budget: While the head is not expected to pay, it still drafts once the rounds without
+            it, each counted as this share of a plain step, add up to the cost of its drafting pass
+            (so such probes cost at most this share of the time; at the latest after
+            ``max_backoff`` rounds).
     """
 
     cost_table: CostTable | None = None
     temperatures: torch.Tensor | None = None
     smoothing: float = 0.5
     max_backoff: int = 32
+    probe_budget: float = 0.02
 
     def start(self, cost_table: CostTable, num_draft_tokens: int) -> AdaptiveRun:
         """The per-generation state of this schedule, planning with ``cost_table``, for blocks of ``S`` drafts."""
@@ -418,16 +423,32 @@ class SlotAcceptance:
     """One drafter's record during a generation: per slot, how often it was reached, accepted, and vouched for.
 
     A slot is *reached* when it was verified and every earlier slot of its round was accepted.
+    Besides, the prefix survivals the drafter's rows were planned with are summed over every row
+    it drafted, verified or not (a round whose confidences were too low to verify anything is
+    evidence too).
     """
 
     reached_by_slot: torch.Tensor  # [S] running counts: slot verified and every earlier slot accepted
     accepted_by_slot: torch.Tensor  # [S] of those, accepted
     confidence_by_slot: torch.Tensor  # [S] of those, the summed confidences the slots were given
+    survival_by_slot: torch.Tensor  # [S] summed prefix survivals of every drafted row
+    drafted_rows: torch.Tensor  # [] how many rows those were
 
     @classmethod
     def zeros(cls, num_slots: int) -> SlotAcceptance:
         """No evidence yet, for blocks of ``num_slots`` drafts."""
-        return cls(*(torch.zeros(num_slots) for _ in range(3)))
+        return cls(*(torch.zeros(num_slots) for _ in range(4)), torch.zeros(()))
+
+    def expected_survival(self, num_slots: int) -> torch.Tensor:
+        """``[num_slots]`` prefix survivals to expect of a new draft: the past rows' mean, else the acceptance's."""
+        if self.drafted_rows > 0:
+            return self.survival_by_slot[:num_slots] / self.drafted_rows
+        return self.acceptance[:num_slots].cumprod(dim=0)
+
+    def planned(self, survival: torch.Tensor) -> None:
+        """Adds the ``[R, S']`` prefix survivals this round's rows of the drafter were planned with."""
+        self.survival_by_slot[: survival.shape[1]] += survival.sum(dim=0)
+        self.drafted_rows += len(survival)
 
     @property
     def acceptance(self) -> torch.Tensor:
@@ -468,13 +489,15 @@ class AdaptiveRun:
     another temperature, is brought to this generation's acceptance, and a suffix match's
     frequency estimate to how often such matches really continue).
 
-    Per row and round, :meth:`sources` drafts from the suffix index where its draft is expected
-    to emit more tokens per plain step of cost (the forward over its best width, no drafting pass;
-    its estimates corrected by the suffix's own record) than both a plain step and a head round
-    (the head's per-slot acceptance so far, 1/2 before any evidence, over its best width, drafting
-    included), from the head where the head is not stepping aside, and takes a plain step
-    otherwise. The suffix draft is a function of the committed tokens and the head's record is the
-    past's, so the choice is made before any draft of the round is drawn and is lossless.
+    Each round, :meth:`sources` chooses for the whole batch (the forward is a padded block, so one
+    row drafting makes every row pay for the width) the plan expected to emit the most tokens per
+    plain step of cost: per row a plain step, the suffix draft (its estimates corrected by the
+    suffix's own record) or, when it is the head's turn, the head's draft (the mean survivals its
+    rows were planned with so far, 1/2 per slot before any; the drafting pass counted). A turn
+    where the head is not expected to beat plain steps is stepped aside as after a probe that did
+    not pay, unless the rounds without the head have paid for a probe: then it probes anyway.
+    The suffix draft is a function of the committed tokens and the head's record is the past's,
+    so the choice is made before any draft of the round is drawn and is lossless.
     """
 
     settings: AdaptiveSchedule
@@ -486,6 +509,7 @@ class AdaptiveRun:
     cost: float | None = None  # running mean cost of a head-drafted round, in plain steps
     plain_steps_left: int = 0
     backoff: int = 1
+    rounds_without_head: int = 0  # rounds since the head last drafted
 
     @property
     def gain(self) -> float | None:
@@ -500,33 +524,59 @@ class AdaptiveRun:
         return True
 
     def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
-        """``[R]`` each row's drafter: the suffix where it pays best, else the head unless it steps aside."""
-        head_turn = head_slots > 0 and self.should_draft()
-        fallback = DraftSource.HEAD if head_turn else DraftSource.PLAIN
-        if suffix_confidence_logits is None:
-            return torch.full((num_rows,), int(fallback), dtype=torch.int64)
-        survival = self.suffix.survival(confidences(suffix_confidence_logits).cpu())
-        suffix_gain = self._best_gain(survival, num_rows, draft_seconds=0.0)
-        bar = 1.0  # a plain step: one token per plain step
-        if head_turn:  # the head's expected gain from its acceptance so far (1/2 per slot before any)
-            head_survival = self.head.acceptance[:head_slots].cumprod(dim=0).expand(num_rows, -1)
-            bar = max(bar, float(self._best_gain(head_survival, num_rows, self.cost_table.draft_seconds).max()))
-        return torch.where(suffix_gain > bar, int(DraftSource.SUFFIX), int(fallback)).to(torch.int64)
+        """``[R]`` each row's drafter under the round plan expected to emit the most tokens per unit of cost.
 
-    def _best_gain(self, survival: torch.Tensor, num_rows: int, draft_seconds: float) -> torch.Tensor:
-        """``[R]`` expected tokens per plain step of a round verifying ``k`` drafts, at the best ``k``.
-
-        Args:
-            survival: ``[R, L]`` prefix survivals of the drafts.
-            num_rows: Rows of the forward (its cost is the batch's).
-            draft_seconds: What drafting the round costs.
+        The forward is a padded ``[R, 1 + k]`` block, so a plan is judged for the whole batch: for
+        each width ``k``, every row takes its best of a plain step (one token), its suffix draft
+        (``1 +`` the prefix survivals of its first ``k`` slots, corrected by the suffix's record)
+        and, in plans that run the head (not while it steps aside), the head's draft (``1 +`` the
+        mean prefix survivals of its first ``k`` slots over the rows it drafted so far; before any,
+        its acceptance multiplied along the slots, 1/2 per slot); the plan's value is the batch's
+        expected tokens over the forward's cost (plus the draft pass when the head runs), in plain
+        steps. The best plan wins (ties: without the head, then narrower); a plain step of every row
+        is the plan of value 1. A turn whose head plan is not expected to beat plain steps counts as
+        a probe that did not pay (the head steps aside for twice as long), except once the rounds it
+        has not drafted have paid for a probe (``probe_budget`` of a plain step each, up to
+        ``max_backoff`` rounds), when it drafts anyway: its record is from the past, and what it
+        drafts may have changed.
         """
-        table, survival = self.cost_table, survival.double()
-        base = table.verify_cost(num_rows)
-        expected = torch.cat([survival.new_zeros(len(survival), 1), survival.cumsum(dim=1)], dim=1) + 1
-        widths = range(survival.shape[1] + 1)  # k = 0 .. L drafts: a forward over 1 + k tokens per row
-        costs = survival.new_tensor([(draft_seconds + table.verify_cost(num_rows * (1 + k))) / base for k in widths])
-        return (expected / costs).amax(dim=1)
+        head_turn = head_slots > 0 and self.should_draft()
+        width = head_slots if head_turn else 0
+        plain = torch.ones(num_rows, 1, dtype=torch.float64)
+        suffix_tokens = head_tokens = plain
+        matched = torch.zeros(num_rows, dtype=torch.bool)  # rows with a suffix draft
+        if suffix_confidence_logits is not None:
+            matched = _filled_slots(suffix_confidence_logits.cpu())[:, 0]
+            survival = self.suffix.survival(confidences(suffix_confidence_logits).cpu())
+            suffix_tokens, width = _tokens_by_width(survival), max(width, survival.shape[1])
+        if head_turn:
+            head_tokens = _tokens_by_width(self.head.expected_survival(head_slots).expand(num_rows, -1))
+        suffix_tokens, head_tokens = _widened(suffix_tokens, width), _widened(head_tokens, width)
+        options = [torch.maximum(suffix_tokens, torch.ones_like(suffix_tokens))]  # plain steps and suffix drafts
+        if head_turn:
+            options.append(torch.maximum(head_tokens, suffix_tokens))
+        table = self.cost_table
+        base, plans = table.verify_cost(num_rows), []  # per option, its best (value, width); ties: narrower
+        for option, tokens in enumerate(options):
+            draft_seconds = table.draft_seconds if option else 0.0
+            values = [
+                float(tokens[:, k].mean()) * base / (draft_seconds + table.verify_cost(num_rows * (1 + k)))
+                for k in range(width + 1)
+            ]
+            plans.append(max((value, -k) for k, value in enumerate(values)))
+        option = 1 if head_turn and plans[1][0] > max(plans[0][0], 1.0) else 0
+        if head_turn and plans[1][0] <= 1.0:  # the head's turn, but it is not expected to pay at all
+            # Its record may be out of date: it probes once the rounds without it have paid for a probe.
+            waited, settings = self.rounds_without_head, self.settings
+            if waited * settings.probe_budget < table.draft_seconds / base and waited < settings.max_backoff:
+                self._step_aside()  # as after a probe that did not pay
+            else:
+                option = 1
+        self.rounds_without_head = 0 if option else self.rounds_without_head + 1
+        k = -plans[option][1] if option or plans[0][0] > 1.0 else 0
+        fallback = DraftSource.HEAD if option else DraftSource.PLAIN
+        drafts_more = matched & (suffix_tokens[:, k] > (head_tokens[:, k] if option else 1.0))
+        return torch.where(drafts_more, int(DraftSource.SUFFIX), int(fallback)).to(torch.int64)
 
     def lengths(
         self,
@@ -560,6 +610,9 @@ class AdaptiveRun:
         if confidence_logits is not None:  # slots past a row's drafts (a shorter block, a short match): none
             filled = _filled_slots(confidence_logits.cpu()[:, :num_draft_tokens])
             survival, acceptance = survival * filled, acceptance * filled
+        for source, record in ((DraftSource.HEAD, self.head), (DraftSource.SUFFIX, self.suffix)):
+            if bool((sources == source).any()):
+                record.planned(survival[sources == source])
         lengths = lookahead_lengths(survival, acceptance, self.cost_table)
         return _within_drafts(lengths, sources, confidence_logits)
 
@@ -600,10 +653,27 @@ class AdaptiveRun:
         self.tokens = tokens if self.tokens is None else (1 - weight) * self.tokens + weight * tokens
         self.cost = cost if self.cost is None else (1 - weight) * self.cost + weight * cost
         if self.gain < 1.0:
-            self.plain_steps_left = self.backoff
-            self.backoff = min(2 * self.backoff, self.settings.max_backoff)
+            self._step_aside()
         else:
             self.backoff = 1
+
+    def _step_aside(self) -> None:
+        """No head for the next ``backoff`` rounds, and twice as long next time (up to ``max_backoff``)."""
+        self.plain_steps_left = self.backoff
+        self.backoff = min(2 * self.backoff, self.settings.max_backoff)
+
+
+def _tokens_by_width(survival: torch.Tensor) -> torch.Tensor:
+    """``[R, L + 1]`` float64 expected tokens when verifying ``k = 0 .. L`` drafts, from ``[R, L]`` survivals."""
+    survival = survival.double()
+    return torch.cat([survival.new_zeros(len(survival), 1), survival.cumsum(dim=1)], dim=1) + 1
+
+
+def _widened(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[R, width + 1]``: ``[R', L + 1]`` expected tokens by width (``R'`` 1 or ``R``), flat past ``L``."""
+    tokens = tokens[:, : width + 1]
+    missing = width + 1 - tokens.shape[1]
+    return torch.cat([tokens, tokens[:, -1:].expand(-1, missing)], dim=1) if missing > 0 else tokens
 
 
 def start_schedule(

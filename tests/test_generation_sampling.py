@@ -40,9 +40,12 @@ SCHEDULES = {
     "fixed": FixedLength(),
     "threshold": ConfidenceThreshold(0.5),
     "goodput": GoodputSchedule(CostTable(num_tokens=(1, 2, 3, 4), verify_seconds=(1.0, 1.2, 1.9, 2.0))),
-    # Drafting is so expensive here that the first drafted round does not pay: the rest are plain steps.
+    # One draft looks barely worth its cost before any evidence (1.5 tokens for 1.49 plain steps);
+    # once the head's confidences are seen, the next turns are declined: plain steps.
     "adaptive": AdaptiveSchedule(
-        CostTable(num_tokens=(NUM_ROWS, 4 * NUM_ROWS), verify_seconds=(1.0, 3.0), draft_seconds=2.0)
+        CostTable(
+            num_tokens=(NUM_ROWS, 2 * NUM_ROWS, 4 * NUM_ROWS), verify_seconds=(1.0, 1.0, 3.0), draft_seconds=0.49
+        )
     ),
 }
 

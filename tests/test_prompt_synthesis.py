@@ -147,13 +147,30 @@ def test_magpie_steers_each_prompt_and_samples_the_same_requests_again(target):
         assert candidate.domain == domain and candidate.details == {"system": system, "opener": opener or None}
         if candidate.rejection != "empty":
             assert candidate.prompt.startswith(opener)
-    assert source.candidates(0, 4) == first  # the batch's seed, not the global generator
+    assert source.candidates(0, 4) == first  # each request's seed, not the global generator
+    in_pairs = MagpieSource(target, word_tokenizer(), MagpieSettings(**{**SMALL.__dict__, "batch_size": 2}))
+    assert in_pairs.candidates(0, 2) + in_pairs.candidates(2, 4) == first  # whatever the batch
     reseeded = MagpieSource(target, word_tokenizer(), MagpieSettings(**{**SMALL.__dict__, "seed": 1}))
     assert [c.prompt for c in reseeded.candidates(0, 4)] != [c.prompt for c in first]
     described = source.describe()
     assert described["end_of_turn"] == "<|im_end|>" and described["stop_ids"] == [1]
     assert described["settings"]["temperature"] == 1.0 and described["model"]["weights_sha256"]
     assert {t["system"] for t in described["pre_query_templates"]} == {None, "You are helpful"}
+
+
+def test_a_request_leaves_its_batch_at_its_end_of_turn_and_ends_there(target):
+    """Rows stop decoding at any stop token (end of turn or end of sequence), not when the batch's last one does."""
+    widths = []
+    hook = target.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        candidates = MagpieSource(target, word_tokenizer(), SMALL).candidates(0, 4)
+    finally:
+        hook.remove()
+    ended = [candidate for candidate in candidates if candidate.rejection != "truncated"]
+    assert ended and widths[0] == 4 and widths[-1] < 4  # finished rows left the batch
+    assert all("<|im_end|>" not in candidate.prompt for candidate in candidates)
 
 
 def test_magpie_marks_requests_that_do_not_end_within_the_budget(target):

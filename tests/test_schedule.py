@@ -273,7 +273,7 @@ def test_adaptive_default_with_plain_steps_is_exact(architecture):
     table = CostTable(num_tokens=(1, 15), verify_seconds=(1.0, 1.2), draft_seconds=0.3)
     out = target.generate(
         input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=40, custom_generate=decode,
-        dspark_head=head, dspark_drafter=lambda head: PhasedOracle(head, plain),
+        dspark_head=head, dspark_drafter=lambda head: PhasedOracle(head, plain), dspark_suffix=False,
         dspark_schedule=AdaptiveSchedule(table, temperatures=torch.full((4,), 1e-3)), return_dict_in_generate=True,
     )  # fmt: skip
     assert torch.equal(out.sequences, plain)

@@ -27,11 +27,14 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from spark_generate import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
+from spark_generate.drafting import NO_CONFIDENCE
 from spark_generate.kernels import RandomStream, rejection_sample
 from spark_generate.sampling import sample
 from spark_generate.schedule import AdaptiveRun, lookahead_lengths
+from spark_generate.telemetry import DraftSource
 
 NUM_SLOTS = 4
+HEAD, SUFFIX, PLAIN = int(DraftSource.HEAD), int(DraftSource.SUFFIX), int(DraftSource.PLAIN)
 # Confidences, the extremes drawn often: a head sure of a slot, or sure it fails, is where plans change most.
 confidence = st.sampled_from([0.01, 0.99]) | st.floats(0.01, 0.99)
 
@@ -192,3 +195,62 @@ def test_a_round_costs_a_forward_over_its_drafts_and_its_anchor():
     run.record(torch.tensor([1]), torch.tensor([2]), torch.tensor([True]))
     assert run.cost == pytest.approx(2.1) and run.gain == pytest.approx(2 / 2.1)
     assert not run.should_draft()
+
+
+def suffix_logits(rows: list[list[float] | None], num_slots: int = 2) -> torch.Tensor:
+    """``[R, L]`` suffix confidence logits: a row's per-slot confidences, or None for a row without a match."""
+    unmatched = torch.full((num_slots,), NO_CONFIDENCE)
+    return torch.stack([unmatched if row is None else torch.logit(torch.tensor(row)) for row in rows])
+
+
+def test_one_rows_suffix_draft_is_taken_alone_and_left_when_the_batch_would_pay_for_its_width():
+    """The forward is a padded block: a wide round pays off for one row, but not for four where three only wait.
+
+    One or two verified drafts cost 1.5 plain steps for any number of rows here. The suffix draft
+    of the first row (two slots it is all but sure of, no record yet) is worth about 3 tokens:
+    alone, 3 / 1.5 = 2 > 1, so it drafts; beside three rows without a match, (3 + 1 + 1 + 1) / 4 /
+    1.5 < 1 does not beat plain steps, so every row steps plain; with three matches it drafts again,
+    and the row without one steps plain.
+    """
+    table = CostTable((1, 2, 3, 4, 8, 12), (1.0, 1.5, 1.5, 1.0, 1.5, 1.5))
+    alone = AdaptiveSchedule(table).start(table, 2).sources(suffix_logits([[0.999, 0.999]]), 1, head_slots=0)
+    assert alone.tolist() == [SUFFIX]
+    batch = suffix_logits([[0.999, 0.999], None, None, None])
+    assert AdaptiveSchedule(table).start(table, 2).sources(batch, 4, head_slots=0).tolist() == [PLAIN] * 4
+    sure = suffix_logits([[0.999, 0.999]] * 3 + [None])  # (3 * 3 + 1) / 4 / 1.5 > 1
+    assert AdaptiveSchedule(table).start(table, 2).sources(sure, 4, head_slots=0).tolist() == [SUFFIX] * 3 + [PLAIN]
+
+
+def test_the_head_runs_only_where_its_record_says_a_round_pays_and_a_declined_turn_backs_off():
+    """The head's turn is judged by its per-slot acceptance so far (1/2 before any evidence), drafting included.
+
+    Drafting costs 0.6 of a forward and each draft 0.1 more: before evidence, one draft is worth
+    1.5 / 1.7 < 1, two 1.75 / 1.8 < 1 and three 1.875 / 1.9 < 1, so on this table the head does
+    not draft; its turns are declined as probes that did not pay (1, then 2 plain rounds after
+    them) until it has not drafted for ``max_backoff=4`` rounds, when it drafts anyway (or once
+    the rounds without it have paid for its pass at ``probe_budget`` per round). With a
+    cheaper pass (0.2) it drafts at once; after rounds that accepted nothing, it no longer pays.
+    """
+    dear = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.6)
+    run = AdaptiveSchedule(dear, max_backoff=4).start(dear, 3)
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(6)]
+    assert turns == [PLAIN, PLAIN, PLAIN, PLAIN, PLAIN, HEAD] and run.rounds_without_head == 0
+    # With a probe budget of a tenth of a plain step per round, the 0.6-step pass is paid for after 6
+    # rounds without the head: the first turn after them (declined turns back off 1, 2, 4 rounds).
+    run = AdaptiveSchedule(dear, probe_budget=0.1).start(dear, 3)
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(11)]
+    assert turns == [PLAIN] * 10 + [HEAD]
+    cheap = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.2)
+    run = AdaptiveSchedule(cheap).start(cheap, 3)
+    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD]
+    for _ in range(4):  # four rounds whose first draft was rejected: acceptance (0 + 1) / (4 + 2) at slot 1
+        run.head.record(torch.tensor([3]), torch.tensor([0]), None)
+    assert run.sources(None, 1, head_slots=3).tolist() == [PLAIN] and run.plain_steps_left == 1
+
+
+def test_a_head_round_and_a_suffix_draft_share_a_batch_where_each_row_expects_more_from_its_own():
+    """With the head drafting, a row takes the suffix draft only where it is worth more than the head's."""
+    table = CostTable((1, 2, 4, 8), (1.0, 1.0, 1.0, 1.0), draft_seconds=0.1)
+    run = AdaptiveSchedule(table).start(table, 3)
+    logits = suffix_logits([[0.999, 0.999, 0.999], [0.2, 0.2, 0.2]], num_slots=3)
+    assert run.sources(logits, 2, head_slots=3).tolist() == [SUFFIX, HEAD]

@@ -125,8 +125,46 @@ def test_the_held_out_documents_split_by_the_domain_of_their_prompt(tmp_path, mo
 
 def _recipe():
     """``examples/train_smollm2_head.py`` as a module."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_smollm2_head.py"
-    spec = importlib.util.spec_from_file_location("train_smollm2_head", path)
+    return _example("train_smollm2_head")
+
+
+def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(tmp_path, monkeypatch):
+    """``examples/grow_corpus.py``: the committed prompts and every committed slice, as regenerate continues them.
+
+    Each slice's meta names the digest of exactly its prompts (each source's prompts in file order,
+    ``SLICE_PROMPTS`` a slice), its records are whole and unique, and the counts add up.
+    """
+    grow = _example("grow_corpus")
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    prompts_path = grow.stage_prompts()  # restored, not synthesized: the archive holds it
+    assert prompts_path == tmp_path / "data" / "synthetic" / "prompts.jsonl"
+    records = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    assert len(records) >= 18_000 and {record["source"] for record in records} >= {"stdlib", "reasoning_gym"}
+    slices = grow.slices(prompts_path)
+    assert sum(map(len, slices.values())) == len(records)
+    assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
+    archived = sorted(path.name.removesuffix(".xz") for path in grow.ARCHIVE.glob("*-*.jsonl.xz"))
+    assert archived and set(archived) <= set(slices)
+    documents = grow.synthetic_documents()
+    for name in archived:
+        meta = json.loads((grow.ARCHIVE / f"{name}.meta.json").read_text())
+        progress = json.loads((grow.ARCHIVE / f"{name}.progress.json").read_text())
+        assert meta["prompts_sha256"] == hashlib.sha256(json.dumps(slices[name]).encode()).hexdigest()
+        assert meta["sampling"] == dataclasses.asdict(grow.SAMPLING) and meta["packed_linears"]
+        restored = tmp_path / "data" / "synthetic" / name
+        lines = restored.read_bytes()[: progress["committed_bytes"]].splitlines()
+        answered = [json.loads(line) for line in lines]
+        assert len({record["index"] for record in answered}) == len(answered) == progress["num_done"]
+        assert sum(sum(record["loss_mask"]) for record in answered) == progress["answer_tokens"]
+    assert len(documents) == sum(
+        json.loads((grow.ARCHIVE / f"{name}.progress.json").read_text())["num_done"] for name in archived
+    )
+
+
+def _example(name: str):
+    """``examples/<name>.py`` as a module."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -185,7 +185,7 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
 SCHEDULES = {
     "fixed": FixedLength(),
     "threshold": ConfidenceThreshold(0.5),
-    "adaptive": AdaptiveSchedule(CostTable(num_tokens=(4, 20), verify_seconds=(1.0, 1.2))),
+    "adaptive": AdaptiveSchedule(CostTable(num_tokens=(4, 20), verify_seconds=(1.0, 1.05))),
 }
 
 

@@ -11,8 +11,8 @@ from three sources, and writes them in the prompt format of :func:`~spark_genera
   cut at the sentinel, and the template's text after it tells what ends a user turn. Each prompt is
   steered toward ``code``, ``math`` or ``chat`` by a system message and, for most prompts, the first
   few words of the request (an *opener* such as "Write a Python function"), drawn for that prompt
-  from a generator seeded by its index. The model's own ``generate()`` samples the rest, a batch at
-  a time under a seed derived from the batch's index, until the end of the user turn.
+  from a generator seeded by its index. The model samples the rest until the end of the user turn,
+  with ``generate()``'s warpers and counter-based noise keyed by a seed derived from the index.
 * **reasoning-gym** (:class:`ReasoningGymSource`): ``per_family`` problems from each of 81 of its
   procedural task families (arithmetic, algebra, geometry, logic, graphs, games, puzzles, string
   and matrix algorithms), each family under a seed of its own. Families whose
@@ -37,9 +37,12 @@ the kept prompts sharing a rare 5-gram, so 30,000 prompts are deduplicated in se
 (:class:`Deduplicator`). The report counts what each filter removed, per source, with examples,
 and the evaluation overlap per source (how many were dropped, the largest containment seen).
 
-**Cost.** ``generate()`` decodes every row of a batch until its last row ends: on
-SmolLM2-135M-Instruct (batch 32, 160 new tokens at most) requests average 48 tokens and about a
-third of the decoded row-steps are useful; about 28 requests a minute on one CPU core.
+**Cost.** Requests are sampled a batch at a time by the regeneration's decoder
+(:func:`~spark_generate.training.regenerate.answer_rows`, packed linears on a CPU): a row leaves
+the batch as soon as its request ends, where ``generate()`` would decode it until the batch's
+longest request is done (on SmolLM2-135M-Instruct, batch 32, 160 new tokens at most, requests
+average 48 tokens and ``generate()`` spent two thirds of its row-steps on finished rows: about 28
+requests a minute on 2 CPU cores).
 
 **Files, budget and resume.** :func:`synthesize_prompts` writes one JSONL line per kept prompt::
 
@@ -88,13 +91,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import spark_generate.prompt_sets as prompt_sets
+from spark_generate.packing import packed_linears
 from spark_generate.training.provenance import package_versions, target_identity
-from spark_generate.training.regenerate import append_lines, open_lines, write_json_atomically
+from spark_generate.training.regenerate import (
+    SamplingSettings,
+    answer_rows,
+    append_lines,
+    open_lines,
+    write_json_atomically,
+)
 
 __all__ = [
     "ANSWER_OPENINGS",
@@ -207,7 +216,7 @@ class MagpieSettings:
         top_p: Nucleus mass (1 for all).
         top_k: Candidates kept (0 for all).
         max_new_tokens: Token budget of a request; a request not ended within it is truncated.
-        batch_size: Requests sampled together (a batch is seeded by its index, so it is part of the settings).
+        batch_size: Requests sampled together (each is seeded by its index: the batch changes only the speed).
         seed: Base seed of the steering draws and of the sampling.
         steering: System messages and openers of each domain.
     """
@@ -531,8 +540,8 @@ class MagpieSource:
 
     Prompt ``i`` is steered toward ``domains[i % len(domains)]``: its system message and opener
     are drawn from that domain's :class:`Steering` by a generator seeded with ``(seed, i)``.
-    Batch ``b`` (prompts ``b * batch_size`` onward) is sampled by the model's ``generate()`` under
-    a torch seed derived from ``(seed, b)``, so a rerun samples the same requests. A request ends at
+    Its request is sampled with Philox noise keyed by a seed derived from ``(seed, i)`` (and each
+    token's position), so a rerun samples the same requests, whatever the batch. A request ends at
     the end-of-turn token (or the end-of-sequence token); an end of turn of several tokens
     (``stop_strings``) is looked for in the decoded text, the row decoding on to ``max_new_tokens``.
 
@@ -616,23 +625,20 @@ class MagpieSource:
         opener_ids = self.tokenizer(opener, add_special_tokens=False).input_ids if opener else []
         return prefix + opener_ids, len(prefix)
 
-    @torch.inference_mode()
-    def _sample(self, prompts: list[list[int]], batch: int) -> list[list[int]]:
-        """The model's continuations of the left-padded prompts, under the seed of batch ``batch``."""
+    def _sample(self, prompts: list[list[int]], indices: range) -> list[list[int]]:
+        """The model's continuations of the prompts of ``indices``, each drawn under the seed of its index."""
         settings = self.settings
-        device = next(self.model.parameters()).device
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
-        config = GenerationConfig(
-            do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-            max_new_tokens=settings.max_new_tokens, eos_token_id=list(self.stop_ids) or None,
-            pad_token_id=self.pad_id,
+        sampling = SamplingSettings(
+            max_new_tokens=settings.max_new_tokens, do_sample=True, temperature=settings.temperature,
+            top_p=settings.top_p, top_k=settings.top_k,
         )  # fmt: skip
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(_derived_seed("magpie", settings.seed, batch))
-            output = self.model.generate(input_ids, attention_mask=mask, generation_config=config)
-        return output[:, width:].tolist()
+        seeds = [_derived_seed("magpie", settings.seed, index) >> 1 for index in indices]
+        continuations: list[list[int]] = [[] for _ in prompts]
+        with packed_linears(self.model):
+            for ended in answer_rows(self.model, prompts, seeds, sampling, self.stop_ids, self.pad_id):
+                for row, continuation in ended:
+                    continuations[row] = continuation
+        return continuations
 
     def _request(self, opener: str, opener_ids: list[int], continuation: list[int]) -> tuple[str, str | None]:
         """The request text of a continuation, and a rejection (truncated, leaked tokens) if any."""
@@ -655,7 +661,7 @@ class MagpieSource:
         """Samples the requests of one batch (``start`` is a multiple of ``batch_size``)."""
         plans = [self.plan(index) for index in range(start, stop)]
         encoded = [self._prompt_ids(system, opener) for _, system, opener in plans]
-        continuations = self._sample([ids for ids, _ in encoded], start // self.settings.batch_size)
+        continuations = self._sample([ids for ids, _ in encoded], range(start, stop))
         found = []
         for index, (domain, system, opener), (ids, opener_start), continuation in zip(
             range(start, stop), plans, encoded, continuations, strict=True

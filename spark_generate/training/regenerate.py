@@ -42,7 +42,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +60,7 @@ from transformers import (
 
 from spark_generate.cache import target_forward
 from spark_generate.hf import cache_kwarg_name
+from spark_generate.packing import packed_linears, resolve_pack_linears
 from spark_generate.profiling import cache_folder
 from spark_generate.sampling import sample
 from spark_generate.training.provenance import target_identity
@@ -68,6 +69,7 @@ __all__ = [
     "BUCKET_BATCHES",
     "RegenerationProgress",
     "SamplingSettings",
+    "answer_rows",
     "data_directory",
     "prompt_ids",
     "read_prompts",
@@ -232,22 +234,27 @@ def _choose(
 
 
 @torch.inference_mode()
-def _answer(
+def answer_rows(
     target: PreTrainedModel,
     prompts: list[list[int]],
     seeds: list[int],
     settings: SamplingSettings,
-    eos: int,
+    stop_ids: Sequence[int],
     pad: int,
 ) -> Iterator[list[tuple[int, list[int]]]]:
-    """Answers a batch of prompts, dropping each row from the batch (and the cache) when it ends.
+    """Continues a batch of prompts, dropping each row from the batch (and the cache) when it ends.
+
+    Greedy rows take the argmax; sampled rows draw with Philox keyed by their seed and each token's
+    absolute position, after ``generate()``'s warpers, so a row's continuation depends on its
+    prompt and seed only (up to the float rounding of batched kernels).
 
     Args:
         target: The target model.
         prompts: Token ids of each prompt.
         seeds: Philox seed of each prompt (read when sampling).
-        settings: How to answer.
-        eos: The end-of-sequence token; an answer ends after it or after ``max_new_tokens``.
+        settings: How to continue (``seed`` is not read: ``seeds`` are).
+        stop_ids: Tokens that end a row (the end of sequence, an end of turn); a row also ends
+            after ``max_new_tokens``.
         pad: Token of the left padding.
 
     Yields:
@@ -266,6 +273,7 @@ def _answer(
     logits = forward(input_ids, attention_mask=mask, position_ids=positions)[:, -1]
     warpers = _warpers(settings) if settings.do_sample else None
     row_seeds = torch.tensor(seeds, device=device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     rows = torch.arange(len(prompts), device=device)  # [R] batch row of each running row
     answers: list[list[int]] = [[] for _ in prompts]
     for step in range(settings.max_new_tokens):
@@ -273,7 +281,11 @@ def _answer(
         tokens = _choose(logits, warpers, row_seeds[rows], next_positions)
         for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
             answers[row].append(token)
-        ended = tokens == eos if step + 1 < settings.max_new_tokens else torch.ones_like(tokens, dtype=torch.bool)
+        ended = (
+            torch.isin(tokens, stops)
+            if step + 1 < settings.max_new_tokens
+            else torch.ones_like(tokens, dtype=torch.bool)
+        )
         yield [(row, answers[row]) for row in rows[ended].tolist()]
         keep = (~ended).nonzero()[:, 0]
         if not len(keep):
@@ -328,7 +340,11 @@ class _Records:
         self.progress_path = path.with_name(path.name + ".progress.json")
         self.progress = {"committed_bytes": 0, "num_done": 0, "answer_tokens": 0, "seconds": 0.0}
         if self.progress_path.exists():
-            if not self.meta_path.exists() or json.loads(self.meta_path.read_text()) != meta:
+            # Files begun before packing was recorded were answered without it.
+            if (
+                not self.meta_path.exists()
+                or {"packed_linears": False, **json.loads(self.meta_path.read_text())} != meta
+            ):
                 raise ValueError(
                     f"{path} was made with other settings, prompts or target (see {self.meta_path}); choose "
                     "another output file, or delete it and its .meta.json and .progress.json to start over."
@@ -383,6 +399,7 @@ def regenerate(
     batch_size: int = 64,
     max_minutes: float | None = None,
     progress: str | None = None,
+    pack_linears: bool | None = None,
 ) -> RegenerationProgress:
     """Lets the target answer every prompt and writes the documents as JSONL (resumable, within a time budget).
 
@@ -395,6 +412,10 @@ def regenerate(
         batch_size: Most rows answered together.
         max_minutes: Stop after this many minutes (run again to continue); None for no limit.
         progress: Label of a tqdm progress bar over the prompts (on stderr); None shows no bar.
+        pack_linears: Run the target's float32 CPU linear layers through oneDNN with pre-packed
+            weights (:mod:`spark_generate.packing`), as generation does; None: where
+            :func:`~spark_generate.packing.resolve_pack_linears` says so. Recorded in the meta file
+            (it moves logits by float rounding, as the batch size does).
 
     Returns:
         Where the file stands: prompts answered, answer tokens, time spent, and this run's share.
@@ -412,6 +433,7 @@ def regenerate(
         raise ValueError(f"max_minutes={max_minutes}; expected a positive number of minutes, or None for no limit.")
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     output_path = Path(output_path)
+    pack = resolve_pack_linears(target, pack_linears)
     meta = {
         "sampling": dataclasses.asdict(settings),
         "batch_size": batch_size,
@@ -421,6 +443,7 @@ def regenerate(
         "target": target_identity(target),
         "tokenizer": tokenizer.name_or_path or type(tokenizer).__name__,
         "chat_template": bool(tokenizer.chat_template),
+        "packed_linears": pack,
     }
     records = _Records(output_path, meta)
     start = records.progress.copy()
@@ -429,19 +452,20 @@ def regenerate(
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     bar = tqdm(total=len(prompts), initial=len(records.done), desc=progress, unit="prompt", disable=progress is None)
     try:
-        for batch in _schedule([len(ids) for ids in encoded], batch_size):
-            batch = [index for index in batch if index not in records.done]
-            if not batch:
-                continue
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            seeds = [_prompt_seed(settings.seed, index) for index in batch]
-            for ended in _answer(target, [encoded[index] for index in batch], seeds, settings, eos, pad):
-                if ended:
-                    records.commit([_record(batch[row], encoded[batch[row]], answer) for row, answer in ended])
-                    bar.update(len(ended))
+        with packed_linears(target, enabled=pack):
+            for batch in _schedule([len(ids) for ids in encoded], batch_size):
+                batch = [index for index in batch if index not in records.done]
+                if not batch:
+                    continue
                 if deadline is not None and time.monotonic() >= deadline:
                     break
+                seeds = [_prompt_seed(settings.seed, index) for index in batch]
+                for ended in answer_rows(target, [encoded[index] for index in batch], seeds, settings, (eos,), pad):
+                    if ended:
+                        records.commit([_record(batch[row], encoded[batch[row]], answer) for row, answer in ended])
+                        bar.update(len(ended))
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
     finally:
         bar.close()
         records.close()

@@ -1,0 +1,185 @@
+r"""The larger training corpus of the SmolLM2 head: synthesized prompts, answered by the target, kept in slices.
+
+The recipe's first corpus (``examples/train_smollm2_head.py``) answers the ~4,400 prompts of
+:mod:`spark_generate.prompt_sets`; the head trained on it memorises them. This script grows a corpus
+several times larger, session after session, and keeps every step of it committed:
+
+1. ``prompts``: :func:`~spark_generate.training.prompt_synthesis.synthesize_prompts` writes requests
+   about the Python standard library (:class:`~spark_generate.training.prompt_synthesis.StdlibSource`)
+   and reasoning-gym problems of 81 task families
+   (:class:`~spark_generate.training.prompt_synthesis.ReasoningGymSource`, ``per_family=130``),
+   deduplicated against each other and the recipe's prompts and kept away from the evaluation
+   prompts; about 20 seconds. The file depends on the installed standard library and reasoning-gym,
+   so it is committed (``examples/data/synthetic/prompts.jsonl.xz``) and restored, never rebuilt
+   where a committed one exists.
+2. ``regenerate``: the target answers them greedily (up to ``MAX_NEW_TOKENS`` tokens, the recipe's
+   cap), in slices of ``SLICE_PROMPTS`` prompts of one source each (``<source>-<k>.jsonl``, each a
+   resumable :func:`~spark_generate.training.regenerate.regenerate` file with packed linears),
+   the sources' slices taken in turn so that a partial corpus mixes them; under ``--max-minutes``.
+3. ``archive`` (after every ``regenerate`` run, and on its own): each slice as far as it is answered,
+   xz-compressed with its settings and progress, into ``examples/data/synthetic/``; a machine
+   without the cache folder restores them first and continues where they stop.
+
+    python examples/grow_corpus.py --max-minutes 90     # prompts if missing, then 90 minutes of answers
+    python examples/grow_corpus.py --stage archive
+
+The answered slices are read back with :func:`synthetic_documents`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from spark_generate import prompt_sets, zoo
+from spark_generate.training.prompt_synthesis import (
+    ReasoningGymSettings,
+    ReasoningGymSource,
+    StdlibSource,
+    synthesize_prompts,
+)
+from spark_generate.training.regenerate import SamplingSettings, data_directory, regenerate
+
+TARGET = "smollm2-135m-instruct"
+MAX_NEW_TOKENS = 192
+SLICE_PROMPTS = 2000
+BATCH_SIZE = 32  # with packed linears, 83-90 answer tokens/s on 2 cores (64: 54, one batch of 64 prompts)
+SAMPLING = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+ARCHIVE = Path(__file__).resolve().parent / "data" / "synthetic"
+SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
+
+
+def folder() -> Path:
+    """Where the corpus is worked on: ``<data directory>/synthetic`` (outside the repository)."""
+    return data_directory() / "synthetic"
+
+
+def _restore(name: str) -> None:
+    """Unpacks ``<name>.xz`` (and its sidecars, the progress file last) from the archive if the folder lacks it."""
+    path, archived = folder() / name, ARCHIVE / f"{name}.xz"
+    if path.exists() or not archived.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".restore")
+    temporary.write_bytes(lzma.decompress(archived.read_bytes()))
+    os.replace(temporary, path)
+    for suffix in SIDECARS:
+        if (ARCHIVE / (name + suffix)).exists():
+            shutil.copy(ARCHIVE / (name + suffix), path.with_name(path.name + suffix))
+    print(f"restored {path} from {archived}")
+
+
+def _archive(name: str, committed_bytes: int | None = None) -> None:
+    """Writes ``<name>`` (its first ``committed_bytes``, else all of it) xz-compressed, with its sidecars."""
+    path = folder() / name
+    ARCHIVE.mkdir(parents=True, exist_ok=True)
+    data = path.read_bytes()
+    data = data if committed_bytes is None else data[:committed_bytes]
+    temporary = ARCHIVE / f"{name}.xz.tmp"
+    temporary.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    os.replace(temporary, ARCHIVE / f"{name}.xz")
+    for suffix in SIDECARS:
+        sidecar = path.with_name(path.name + suffix)
+        if sidecar.exists():
+            shutil.copy(sidecar, ARCHIVE / (name + suffix))
+
+
+def stage_prompts() -> Path:
+    """The synthesized prompts: restored from the archive, else written (and archived) here."""
+    path = folder() / "prompts.jsonl"
+    _restore("prompts.jsonl")
+    if path.exists():
+        return path
+    sources = [StdlibSource(), ReasoningGymSource(ReasoningGymSettings(per_family=130))]
+    result = synthesize_prompts(sources, path, exclude=prompt_sets.mixed_training_prompts(), progress="prompts")
+    print(f"prompts: {result.num_kept} kept of {result.num_candidates} candidates, {result.counts}")
+    _archive("prompts.jsonl")
+    shutil.copy(result.report_path, ARCHIVE / result.report_path.name)
+    return path
+
+
+def slices(prompts_path: Path) -> dict[str, list[str]]:
+    """``<source>-<k>.jsonl`` -> its prompts: each source's prompts in file order, ``SLICE_PROMPTS`` a slice.
+
+    Ordered by ``k``, then source, so that slices are answered in turn across the sources.
+    """
+    by_source: dict[str, list[str]] = {}
+    for line in prompts_path.read_text().splitlines():
+        record = json.loads(line)
+        by_source.setdefault(record["source"], []).append(record["prompt"])
+    named = {
+        (k // SLICE_PROMPTS, source): prompts[k : k + SLICE_PROMPTS]
+        for source, prompts in by_source.items()
+        for k in range(0, len(prompts), SLICE_PROMPTS)
+    }
+    return {f"{source}-{k:03d}.jsonl": named[k, source] for k, source in sorted(named)}
+
+
+def stage_regenerate(target, tokenizer, prompts_path: Path, max_minutes: float | None) -> bool:
+    """Answers the slices in turn within ``max_minutes``, archiving each after its run; True once all are done."""
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    for name, prompts in slices(prompts_path).items():
+        _restore(name)
+        left = None if deadline is None else (deadline - time.monotonic()) / 60
+        if left is not None and left <= 0:
+            return False
+        result = regenerate(target, tokenizer, prompts, folder() / name, SAMPLING, batch_size=BATCH_SIZE,
+                            max_minutes=left, progress=name)  # fmt: skip
+        if result.session_answer_tokens:
+            progress = json.loads((folder() / f"{name}.progress.json").read_text())
+            _archive(name, progress["committed_bytes"])
+            print(
+                f"{name}: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} answer tokens; "
+                f"this run {result.session_answer_tokens:,} in {result.session_seconds:.0f} s "
+                f"({result.session_tokens_per_second:.1f} tokens/s)"
+            )
+        if not result.finished:
+            return False
+    return True
+
+
+def synthetic_documents() -> list[dict]:
+    """Every answered document of every slice (restored from the archive where needed), slice by slice."""
+    documents = []
+    for name in slices(stage_prompts()):
+        _restore(name)
+        path = folder() / name
+        if path.exists():
+            progress = json.loads((folder() / f"{name}.progress.json").read_text())
+            data = path.read_bytes()[: progress["committed_bytes"]]
+            documents += [json.loads(line) for line in data.splitlines()]
+    return documents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", default="all", choices=["all", "prompts", "regenerate", "archive"])
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="budget of the regeneration; rerun to continue"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts_path = stage_prompts()
+    if args.stage == "archive":
+        for name in slices(prompts_path):
+            if (folder() / f"{name}.progress.json").exists():
+                progress = json.loads((folder() / f"{name}.progress.json").read_text())
+                _archive(name, progress["committed_bytes"])
+        return
+    if args.stage in ("all", "regenerate"):
+        target, tokenizer = zoo.load(TARGET)
+        if not stage_regenerate(target, tokenizer, prompts_path, args.max_minutes):
+            raise SystemExit("regeneration stopped at its budget: run the same command again to continue.")
+
+
+if __name__ == "__main__":
+    main()
