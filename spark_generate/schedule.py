@@ -556,14 +556,13 @@ class AdaptiveRun:
         if head_turn:
             options.append(torch.maximum(head_tokens, suffix_tokens))
         table = self.cost_table
-        base, plans = table.verify_cost(num_rows), []  # per option, its best (value, width); ties: narrower
+        base = table.verify_cost(num_rows)
+        forwards = torch.tensor([table.verify_cost(num_rows * (1 + k)) for k in range(width + 1)], dtype=torch.float64)
+        plans = []  # per option, its best (value, width): the narrowest of the best widths
         for option, tokens in enumerate(options):
-            draft_seconds = table.draft_seconds if option else 0.0
-            values = [
-                float(tokens[:, k].mean()) * base / (draft_seconds + table.verify_cost(num_rows * (1 + k)))
-                for k in range(width + 1)
-            ]
-            plans.append(max((value, -k) for k, value in enumerate(values)))
+            values = tokens.mean(dim=0) * base / ((table.draft_seconds if option else 0.0) + forwards)
+            best_width = int(values.argmax())  # the first of equal maxima
+            plans.append((float(values[best_width]), best_width))
         option = 1 if head_turn and plans[1][0] > max(plans[0][0], 1.0) else 0
         if head_turn and plans[1][0] <= 1.0:  # the head's turn, but it is not expected to pay at all
             # Its record may be out of date: it probes once the rounds without it have paid for a probe.
@@ -573,7 +572,7 @@ class AdaptiveRun:
             else:
                 option = 1
         self.rounds_without_head = 0 if option else self.rounds_without_head + 1
-        k = -plans[option][1] if option or plans[0][0] > 1.0 else 0
+        k = plans[option][1] if option or plans[0][0] > 1.0 else 0
         fallback = DraftSource.HEAD if option else DraftSource.PLAIN
         drafts_more = matched & (suffix_tokens[:, k] > (head_tokens[:, k] if option else 1.0))
         return torch.where(drafts_more, int(DraftSource.SUFFIX), int(fallback)).to(torch.int64)
