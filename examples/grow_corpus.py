@@ -45,7 +45,7 @@ from spark_generate.training.prompt_synthesis import (
     StdlibSource,
     synthesize_prompts,
 )
-from spark_generate.training.regenerate import SamplingSettings, data_directory, regenerate
+from spark_generate.training.regenerate import SamplingSettings, data_directory, regenerate, restore_archived
 
 TARGET = "smollm2-135m-instruct"
 MAX_NEW_TOKENS = 192
@@ -62,18 +62,9 @@ def folder() -> Path:
 
 
 def _restore(name: str) -> None:
-    """Unpacks ``<name>.xz`` (and its sidecars, the progress file last) from the archive if the folder lacks it."""
-    path, archived = folder() / name, ARCHIVE / f"{name}.xz"
-    if path.exists() or not archived.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".restore")
-    temporary.write_bytes(lzma.decompress(archived.read_bytes()))
-    os.replace(temporary, path)
-    for suffix in SIDECARS:
-        if (ARCHIVE / (name + suffix)).exists():
-            shutil.copy(ARCHIVE / (name + suffix), path.with_name(path.name + suffix))
-    print(f"restored {path} from {archived}")
+    """Unpacks ``<name>.xz`` (and its sidecars) from the archive if the folder lacks it."""
+    if restore_archived(folder() / name, ARCHIVE / f"{name}.xz"):
+        print(f"restored {folder() / name} from {ARCHIVE / f'{name}.xz'}")
 
 
 def _archive(name: str, committed_bytes: int | None = None) -> None:

@@ -57,7 +57,6 @@ import hashlib
 import json
 import lzma
 import operator
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -85,7 +84,13 @@ from spark_generate.training.evaluation import (
 )
 from spark_generate.training.initialization import feature_scale_from_cache
 from spark_generate.training.provenance import card_rows
-from spark_generate.training.regenerate import SamplingSettings, data_directory, prompt_ids, regenerate
+from spark_generate.training.regenerate import (
+    SamplingSettings,
+    data_directory,
+    prompt_ids,
+    regenerate,
+    restore_archived,
+)
 
 TARGET = "smollm2-135m-instruct"
 
@@ -183,15 +188,8 @@ def restore_corpus(corpus: Corpus) -> None:
     (target weights, prompts, sampling) against its own, as for any corpus it continues.
     """
     path, archived = data_directory() / corpus.file, ARCHIVE / f"{corpus.file}.xz"
-    if path.exists() or not archived.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".restore")
-    temporary.write_bytes(lzma.decompress(archived.read_bytes()))
-    os.replace(temporary, path)
-    for suffix in CORPUS_SIDECARS:
-        shutil.copy(ARCHIVE / (corpus.file + suffix), path.with_name(path.name + suffix))
-    print(f"regenerate: restored {path} from {archived}")
+    if restore_archived(path, archived):
+        print(f"regenerate: restored {path} from {archived}")
 
 
 def stage_archive(corpus: Corpus) -> Path:

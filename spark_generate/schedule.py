@@ -609,9 +609,9 @@ class AdaptiveRun:
         if confidence_logits is not None:  # slots past a row's drafts (a shorter block, a short match): none
             filled = _filled_slots(confidence_logits.cpu()[:, :num_draft_tokens])
             survival, acceptance = survival * filled, acceptance * filled
-        for source, record in ((DraftSource.HEAD, self.head), (DraftSource.SUFFIX, self.suffix)):
-            if bool((sources == source).any()):
-                record.planned(survival[sources == source])
+        head_rows = sources == DraftSource.HEAD
+        if bool(head_rows.any()):  # what the head's turns are judged by (sources)
+            self.head.planned(survival[head_rows])
         lengths = lookahead_lengths(survival, acceptance, self.cost_table)
         return _within_drafts(lengths, sources, confidence_logits)
 

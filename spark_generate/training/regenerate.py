@@ -40,7 +40,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import lzma
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -74,6 +76,7 @@ __all__ = [
     "prompt_ids",
     "read_prompts",
     "regenerate",
+    "restore_archived",
 ]
 
 Prompt = str | list[dict[str, str]]
@@ -330,6 +333,27 @@ def append_lines(descriptor: int, records: list[dict]) -> int:
         written += os.write(descriptor, data[written:])
     os.fsync(descriptor)
     return len(data)
+
+
+def restore_archived(path: Path, archived: Path) -> bool:
+    """Unpacks ``archived`` (an xz-compressed file, e.g. a committed regeneration) into ``path`` if missing there.
+
+    The sidecars beside ``archived`` (``<name>.meta.json`` and ``<name>.progress.json``, where they
+    exist) are copied after it, the progress file last: a cut-off restore leaves no progress file,
+    and :func:`regenerate` then refuses the partial file instead of trusting it. Returns whether
+    anything was restored (nothing when ``path`` exists or nothing is archived).
+    """
+    if path.exists() or not archived.exists():
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".restore")
+    temporary.write_bytes(lzma.decompress(archived.read_bytes()))
+    os.replace(temporary, path)
+    for suffix in (".meta.json", ".progress.json"):
+        sidecar = archived.with_name(archived.name.removesuffix(".xz") + suffix)
+        if sidecar.exists():
+            shutil.copy(sidecar, path.with_name(path.name + suffix))
+    return True
 
 
 class _Records:
