@@ -16,24 +16,31 @@ several times larger, session after session, and keeps every step of it committe
    cap), in slices of ``SLICE_PROMPTS`` prompts of one source each (``<source>-<k>.jsonl``, each a
    resumable :func:`~spark_generate.training.regenerate.regenerate` file with packed linears),
    the sources' slices taken in turn so that a partial corpus mixes them; under ``--max-minutes``.
+   ``--workers N`` runs N processes of one torch thread each; a worker claims a slice with a lock
+   file the kernel releases when it exits, so workers never share a slice, even after a kill.
 3. ``archive`` (after every ``regenerate`` run, and on its own): each slice as far as it is answered,
    xz-compressed with its settings and progress, into ``examples/data/synthetic/``; a machine
    without the cache folder restores them first and continues where they stop.
 
     python examples/grow_corpus.py --max-minutes 90     # prompts if missing, then 90 minutes of answers
+    python examples/grow_corpus.py --max-minutes 90 --workers 2   # two slices at once, a thread each
     python examples/grow_corpus.py --stage archive
 
-The answered slices are read back with :func:`synthetic_documents`.
+The answered slices are read back with :func:`answered_slices` (or :func:`synthetic_documents`, all in one list).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import lzma
+import multiprocessing
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -113,40 +120,86 @@ def slices(prompts_path: Path) -> dict[str, list[str]]:
     return {f"{source}-{k:03d}.jsonl": named[k, source] for k, source in sorted(named)}
 
 
+@contextmanager
+def _claim(name: str) -> Iterator[bool]:
+    """True while this process holds ``<name>.lock`` (another worker's slice: False); released on exit."""
+    folder().mkdir(parents=True, exist_ok=True)
+    with open(folder() / f"{name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def stage_regenerate(target, tokenizer, prompts_path: Path, max_minutes: float | None) -> bool:
-    """Answers the slices in turn within ``max_minutes``, archiving each after its run; True once all are done."""
+    """Answers the unclaimed slices in turn within ``max_minutes``, archiving each after its run.
+
+    Returns:
+        True once every slice this process saw is finished (none left to it and none claimed by another).
+    """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    finished = True
     for name, prompts in slices(prompts_path).items():
-        _restore(name)
-        left = None if deadline is None else (deadline - time.monotonic()) / 60
-        if left is not None and left <= 0:
-            return False
-        result = regenerate(target, tokenizer, prompts, folder() / name, SAMPLING, batch_size=BATCH_SIZE,
-                            max_minutes=left, progress=name)  # fmt: skip
-        if result.session_answer_tokens:
-            progress = json.loads((folder() / f"{name}.progress.json").read_text())
-            _archive(name, progress["committed_bytes"])
-            print(
-                f"{name}: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} answer tokens; "
-                f"this run {result.session_answer_tokens:,} in {result.session_seconds:.0f} s "
-                f"({result.session_tokens_per_second:.1f} tokens/s)"
-            )
-        if not result.finished:
-            return False
-    return True
+        with _claim(name) as claimed:
+            if not claimed:
+                finished = False
+                continue
+            _restore(name)
+            left = None if deadline is None else (deadline - time.monotonic()) / 60
+            if left is not None and left <= 0:
+                return False
+            result = regenerate(target, tokenizer, prompts, folder() / name, SAMPLING, batch_size=BATCH_SIZE,
+                                max_minutes=left, progress=name)  # fmt: skip
+            if result.session_answer_tokens:
+                progress = json.loads((folder() / f"{name}.progress.json").read_text())
+                _archive(name, progress["committed_bytes"])
+                print(
+                    f"{name}: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} answer "
+                    f"tokens; this run {result.session_answer_tokens:,} in {result.session_seconds:.0f} s "
+                    f"({result.session_tokens_per_second:.1f} tokens/s)"
+                )
+            if not result.finished:
+                return False
+    return finished
 
 
-def synthetic_documents() -> list[dict]:
-    """Every answered document of every slice (restored from the archive where needed), slice by slice."""
-    documents = []
+def _worker(prompts_path: Path, max_minutes: float | None, threads: int) -> bool:
+    """One regeneration process: loads the target and answers unclaimed slices (``stage_regenerate``)."""
+    if threads:
+        torch.set_num_threads(threads)
+    target, tokenizer = zoo.load(TARGET)
+    return stage_regenerate(target, tokenizer, prompts_path, max_minutes)
+
+
+def _run_workers(prompts_path: Path, max_minutes: float | None, workers: int) -> bool:
+    """``workers`` processes of one thread each (``spawn``: no forked torch state); True if all finished."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers) as pool:
+        results = [pool.apply_async(_worker, (prompts_path, max_minutes, 1)) for _ in range(workers)]
+        return all(result.get() for result in results)
+
+
+def answered_slices() -> dict[str, list[dict]]:
+    """Each slice's answered documents (restored from the archive where needed), slices in order."""
+    answered = {}
     for name in slices(stage_prompts()):
         _restore(name)
         path = folder() / name
         if path.exists():
             progress = json.loads((folder() / f"{name}.progress.json").read_text())
             data = path.read_bytes()[: progress["committed_bytes"]]
-            documents += [json.loads(line) for line in data.splitlines()]
-    return documents
+            answered[name] = [json.loads(line) for line in data.splitlines()]
+    return answered
+
+
+def synthetic_documents() -> list[dict]:
+    """Every answered document of every slice, slice by slice."""
+    return [record for records in answered_slices().values() for record in records]
 
 
 def main() -> None:
@@ -156,9 +209,12 @@ def main() -> None:
         "--max-minutes", type=float, default=None, help="budget of the regeneration; rerun to continue"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="regeneration processes, one torch thread each when more than 1"
+    )
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     prompts_path = stage_prompts()
     if args.stage == "archive":
         for name in slices(prompts_path):
@@ -167,8 +223,11 @@ def main() -> None:
                 _archive(name, progress["committed_bytes"])
         return
     if args.stage in ("all", "regenerate"):
-        target, tokenizer = zoo.load(TARGET)
-        if not stage_regenerate(target, tokenizer, prompts_path, args.max_minutes):
+        if args.workers > 1:
+            finished = _run_workers(prompts_path, args.max_minutes, args.workers)
+        else:
+            finished = _worker(prompts_path, args.max_minutes, args.threads)
+        if not finished:
             raise SystemExit("regeneration stopped at its budget: run the same command again to continue.")
 
 

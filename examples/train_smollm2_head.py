@@ -501,6 +501,16 @@ def write_card(workdir: Path, destination: Path) -> None:
         "![learning curve](learning_curve.png)\n"
         "\nCalibration of the confidence head (STS, reliability diagram): ![reliability](reliability.png)\n"
     )
+    text += benchmark_and_usage(destination)
+    (destination / "README.md").write_text(text)
+
+
+def benchmark_and_usage(destination: Path, script: str = "examples/train_smollm2_head.py") -> str:
+    """The card's peer-benchmark section (when recorded with these very weights) and its usage snippet.
+
+    ``script`` is the one whose ``--stage card`` rewrites the card once the benchmark is recorded.
+    """
+    text = ""
     benchmark = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "generate_smollm2_cpu.md"
     digest = hashlib.sha256((destination / "model.safetensors").read_bytes()).hexdigest()
     recorded = benchmark.with_suffix(".csv").exists() and digest in benchmark.with_suffix(".csv").read_text()
@@ -508,7 +518,7 @@ def write_card(workdir: Path, destination: Path) -> None:
         (destination / "benchmark.png").unlink(missing_ok=True)
         text += (
             "\n## Peer benchmark (CPU)\n\nNot yet recorded with these weights: run "
-            "`python benchmarks/bench_generate.py`, then `python examples/train_smollm2_head.py --stage card`.\n"
+            f"`python benchmarks/bench_generate.py`, then `python {script} --stage card`.\n"
         )
     else:
         shutil.copy(benchmark.with_suffix(".png"), destination / "benchmark.png")
@@ -526,7 +536,7 @@ def write_card(workdir: Path, destination: Path) -> None:
         'smollm2-135m-instruct-dspark", dtype=target.dtype)\nout = DSparkForCausalLM(target).generate(**inputs, '
         "assistant=head, max_new_tokens=128)\n```\n"
     )
-    (destination / "README.md").write_text(text)
+    return text
 
 
 def main() -> None:
@@ -551,6 +561,12 @@ def main() -> None:
         return args.stage in ("all", stage)
 
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
+        rounds = EXPORT / "rounds.json"
+        if rounds.exists() and any(entry["promoted"] for entry in json.loads(rounds.read_text())):
+            raise SystemExit(
+                f"the shipped head comes from a round of examples/improve_smollm2_head.py ({rounds}): rewrite its "
+                "card with python examples/improve_smollm2_head.py --stage card."
+            )
         write_card(workdir, EXPORT)
         return
     for corpus in CORPORA.values():

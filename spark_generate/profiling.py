@@ -148,7 +148,8 @@ def _profile_batch(
     sampling = Sampling(greedy=greedy, seeds=torch.zeros(batch_size, dtype=torch.int64, device=device))
     rows = torch.arange(batch_size, device=device)
     prefixes = RowPrefixes(input_ids, torch.full((batch_size,), context_length, device=device), rows)
-    block = DraftBlock(input_ids.repeat(1, num_drafts // context_length + 1)[:, :num_drafts], None, None, None)
+    repeated_ids = input_ids.repeat(1, (num_drafts + 1) // context_length + 1)  # blocks may outgrow the context
+    block = DraftBlock(repeated_ids[:, :num_drafts], None, None, None)
     drafter = None if head is None else HeadDrafter(head)
 
     def draft(num_new_rows: int) -> DraftBlock:
@@ -160,7 +161,7 @@ def _profile_batch(
         block_positions = positions[:, -1:] + 1 + torch.arange(width, device=device)
         mask = torch.ones(batch_size, context_length + width, dtype=torch.long, device=device)
         target_logits = target_forward(
-            model, input_ids[:, :width], cache=cache, cache_kwarg=cache_kwarg, attention_mask=mask,
+            model, repeated_ids[:, :width], cache=cache, cache_kwarg=cache_kwarg, attention_mask=mask,
             position_ids=block_positions, num_logits=width,
         )  # fmt: skip
         num_verified = torch.full((batch_size,), width - 1, device=device)

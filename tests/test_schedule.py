@@ -136,6 +136,13 @@ def test_profile_costs_writes_a_table(tmp_path):
     assert json.loads((tmp_path / "costs.json").read_text())["num_tokens"] == [1, 2, 3, 4, 6, 8]
 
 
+def test_profile_costs_measures_blocks_wider_than_its_context():
+    """A suffix drafter's blocks may be longer than the profiling prompt (20 drafts after an 8-token context)."""
+    target = tiny_target("llama", num_layers=2)
+    table = profile_costs(target, None, batch_size=1, context_length=8, repeats=1, num_drafts=20)
+    assert table.num_tokens == tuple(range(1, 22)) and table.draft_seconds == 0.0
+
+
 def test_load_calibration(tmp_path):
     (tmp_path / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.5, 2.0]}))
     assert load_calibration(tmp_path / "sts.json").tolist() == [1.0, 1.5, 2.0]

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import lzma
+import shutil
 import warnings
 from pathlib import Path
 
@@ -168,3 +169,75 @@ def _example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _improve(monkeypatch):
+    """``examples/improve_smollm2_head.py`` as a module (it imports the recipe and grow_corpus beside it)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    return _example("improve_smollm2_head")
+
+
+def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_path, monkeypatch):
+    """The warm-start chain's gate: below MIN_GAIN the head stays, and either way the round is recorded."""
+    improve = _improve(monkeypatch)
+    shipped = tmp_path / "shipped"
+    shutil.copytree(HEAD, shipped)
+    monkeypatch.setattr(improve, "EXPORT", shipped)
+    monkeypatch.setattr(improve, "ROUNDS", shipped / "rounds.json")
+    (shipped / "rounds.json").unlink(missing_ok=True)
+    before = {path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file()}
+    folder = improve.round_folder(tmp_path)
+    folder.mkdir(parents=True)
+    counts = {"smollm2-135m-instruct-mixed.jsonl": 4401, "stdlib-000.jsonl": 768}
+    (folder / "round.json").write_text(json.dumps({"shipped": improve.shipped_digest(), "counts": counts,
+                                                   "settings": improve.ROUND}))  # fmt: skip
+    exported = []
+    monkeypatch.setattr(improve, "export", lambda *args: exported.append(args))
+    monkeypatch.setattr(improve, "write_card", lambda destination: None)
+
+    def evaluation(gain: float) -> dict:
+        taus = {"code": 2.25, "math": 1.69, "chat": 1.44}
+        return {name: {domain: {"tau": tau * (1 + gain if name == "round" else 1)} for domain, tau in taus.items()}
+                for name in ("shipped", "round")}  # fmt: skip
+
+    assert not improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.029), None, None)
+    assert not exported
+    assert {
+        path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file() and path.name != "rounds.json"
+    } == before
+    assert improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.031), None, None)
+    assert len(exported) == 1
+    rounds = json.loads((shipped / "rounds.json").read_text())
+    assert [entry["promoted"] for entry in rounds] == [False, True]
+    assert rounds[0]["answers"] == counts and rounds[0]["mean_gain"] == pytest.approx(0.029)
+    assert rounds[0]["online_tau_before"] == {"code": 2.25, "math": 1.69, "chat": 1.44}
+
+
+def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
+    """``round.json`` pins each corpus's answer count: later answers stay out, missing ones stop the round."""
+    improve = _improve(monkeypatch)
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    for corpus in improve.recipe.CORPORA.values():
+        improve.recipe.restore_corpus(corpus)
+    parts, counts = improve.corpus_documents()
+    assert counts["smollm2-135m-instruct-mixed.jsonl"] == 4401 and "reasoning_gym-000.jsonl" in counts
+    assert list(parts) == list(counts)
+    pinned = {name: count // 2 for name, count in counts.items()}
+    halves, same = improve.corpus_documents(pinned)
+    assert same == pinned
+    for name, part in parts.items():  # every 64th answer held out or kept for calibration, the rest trained on
+        assert 0.45 * len(part) < len(halves[name]) < 0.55 * len(part)
+        assert halves[name].sequences == part.sequences[: len(halves[name])]
+    with pytest.raises(SystemExit, match="lacks"):
+        improve.corpus_documents({**pinned, "stdlib-000.jsonl": 10**6})
+
+
+def test_corpus_workers_never_share_a_slice(tmp_path, monkeypatch):
+    """A slice claimed by one worker is skipped by the others until the claim ends (a lock the kernel drops)."""
+    grow = _example("grow_corpus")
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    claims = ("stdlib-000.jsonl", "stdlib-000.jsonl", "stdlib-001.jsonl")
+    with grow._claim(claims[0]) as first, grow._claim(claims[1]) as second, grow._claim(claims[2]) as other:
+        assert first and not second and other
+    with grow._claim("stdlib-000.jsonl") as again:
+        assert again

@@ -123,6 +123,33 @@ def test_a_warm_started_run_continues_from_the_other_runs_weights(tmp_path):
     assert [record["step"] for record in history] == [1, 2, 3, 4]  # this stage's own curve
 
 
+def test_a_run_warm_starts_from_a_saved_head_with_its_folded_weights(tmp_path):
+    """A shipped head (bfloat16, fc folded, no trainer state) seeds a run on another feature scale, same logits."""
+    target = tiny_target()
+    first = tiny_head(target)
+    first.scale_target_features(torch.linspace(0.5, 2.0, first.fc.in_features))
+    Trainer(first, target, dataset(), settings(tmp_path / "one", num_steps=2)).train()
+    first.to(torch.bfloat16).save_pretrained(tmp_path / "shipped")
+    shipped = DSparkHead.from_pretrained(tmp_path / "shipped").float().attach(target).eval()
+
+    warm = DSparkHead.from_pretrained(tmp_path / "shipped").float()
+    warm.scale_target_features(torch.linspace(3.0, 0.25, warm.fc.in_features))  # any other scale
+    trainer = Trainer(warm, target, dataset(), settings(tmp_path / "two", num_steps=2))
+    trainer._warm_start(tmp_path / "shipped")
+    torch.testing.assert_close(warm.fc.weight, shipped.fc.weight, rtol=1e-6, atol=0)
+    features = torch.randn(2, 5, warm.fc.in_features, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(warm.eval().fc(features), shipped.fc(features), rtol=1e-5, atol=1e-6)
+    for name, value in shipped.state_dict().items():
+        if name != "fc.weight":
+            assert torch.equal(warm.state_dict()[name], value), name
+    result = trainer.train(warm_start_from=tmp_path / "shipped")
+    provenance = json.loads((result.checkpoint / "provenance.json").read_text())
+    assert provenance["warm_start"] == {"checkpoint": str(tmp_path / "shipped"), "step": None}
+    other = Trainer(tiny_head(target, markov_rank=4), target, dataset(), settings(tmp_path / "three"))
+    with pytest.raises(ValueError, match="another configuration"):
+        other.train(warm_start_from=tmp_path / "shipped")
+
+
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="needs a C++ compiler")
 def test_a_compiled_loss_trains_the_same_head(tmp_path):
     """compile_loss fuses the objective's passes: the same steps, up to float32 rounding."""

@@ -380,10 +380,12 @@ class Trainer:
             stop_after: Stop (with a checkpoint) after this many steps in total, e.g. to split a run.
             max_minutes: Stop (with a checkpoint) after the step during which this much time has
                 passed; resuming from that checkpoint continues the run bit for bit.
-            warm_start_from: A ``checkpoint-*`` folder of another run of the same head: this run
+            warm_start_from: A ``checkpoint-*`` folder of another run of the same head, or a saved
+                head of the same configuration (e.g. a shipped one, without trainer state): this run
                 starts from its weights with a new optimizer and its own schedule and history (a
-                second stage; recorded as ``warm_start`` in the provenance). Not with ``resume_from``:
-                a warm-started run is resumed like any other, from its own checkpoints.
+                next stage; recorded as ``warm_start`` in the provenance, with the checkpoint's step,
+                or None for a saved head). Not with ``resume_from``: a warm-started run is resumed
+                like any other, from its own checkpoints.
 
         Returns:
             The last checkpoint and the last step's loss and metrics.
@@ -513,16 +515,21 @@ class Trainer:
             "teacher_forced_metrics": None if metrics is None else metrics.as_dict(),
         }
 
-    def _read(self, checkpoint: Path) -> tuple[DSparkHead, dict]:
-        """The head and trainer state of a checkpoint, checked against the head being trained."""
-        loaded = DSparkHead.from_pretrained(checkpoint)
+    def _read_head(self, folder: Path) -> DSparkHead:
+        """The head saved in ``folder``, checked against the head being trained."""
+        loaded = DSparkHead.from_pretrained(folder)
         ignored = ("dtype", "transformers_version")  # set when saving
         saved = {key: value for key, value in loaded.config.to_dict().items() if key not in ignored}
         if saved != {key: value for key, value in self.head.config.to_dict().items() if key not in ignored}:
             raise ValueError(
-                f"{checkpoint} holds a head with another configuration than the one being trained; "
+                f"{folder} holds a head with another configuration than the one being trained; "
                 "resume with the same head settings, or start a new run."
             )
+        return loaded
+
+    def _read(self, checkpoint: Path) -> tuple[DSparkHead, dict]:
+        """The head and trainer state of a checkpoint, checked against the head being trained."""
+        loaded = self._read_head(checkpoint)
         try:
             state = torch.load(checkpoint / TRAINER_STATE, map_location="cpu", weights_only=True)
             state["step"] = int(state["step"])
@@ -569,8 +576,27 @@ class Trainer:
         self._copy_weights(loaded, state)
         return state["step"]
 
-    def _warm_start(self, checkpoint: Path) -> None:
-        """Starts this run from a checkpoint's weights (of another run): new optimizer, schedule and history."""
-        loaded, state = self._read(checkpoint)
-        self.warm_start = {"checkpoint": str(checkpoint), "step": state["step"]}
+    def _warm_start(self, source: Path) -> None:
+        """Starts this run from another run's checkpoint, or from a saved head: new optimizer, schedule and history.
+
+        A saved head without trainer state (an exported or shipped head) holds ``fc``'s folded
+        weight; a head trained on scaled features starts from ``W = fc.weight / scale``, so that it
+        computes the saved head's logits (up to the rounding of that division), whatever its scale.
+        """
+        if (source / TRAINER_STATE).exists():
+            loaded, state = self._read(source)
+            step = state["step"]
+        else:
+            loaded, step = self._read_head(source), None
+            state = {"reparametrized": self._unfolded(loaded.fc.weight)}
+        self.warm_start = {"checkpoint": str(source), "step": step}
         self._copy_weights(loaded, state)
+
+    def _unfolded(self, fc_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The head's parametrisation entries that make its ``fc.weight`` equal ``fc_weight`` (none if unscaled)."""
+        scale = self.head.target_feature_scale
+        entries = _reparametrized(self.head)
+        for name in entries:
+            if name.endswith(".original"):  # W, of which fc.weight = W · diag(scale)
+                entries[name] = fc_weight.to(scale.device, torch.float32) / scale
+        return entries
