@@ -12,18 +12,25 @@ several times larger, session after session, and keeps every step of it committe
    prompts; about 20 seconds. The file depends on the installed standard library and reasoning-gym,
    so it is committed (``examples/data/synthetic/prompts.jsonl.xz``) and restored, never rebuilt
    where a committed one exists.
-2. ``regenerate``: the target answers them greedily (up to ``MAX_NEW_TOKENS`` tokens, the recipe's
+2. ``magpie``: the target writes ``MAGPIE.num_prompts`` requests itself
+   (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
+   a user turn, steered toward code, math or chat), filtered and deduplicated against the recipe's
+   and the synthesized prompts, under ``--max-minutes`` and resumable (``magpie.jsonl``, archived
+   with its report after each run). Its requests join the slices (source ``magpie``) as they fill
+   whole slices, and all of them once the synthesis is done.
+3. ``regenerate``: the target answers them greedily (up to ``MAX_NEW_TOKENS`` tokens, the recipe's
    cap), in slices of ``SLICE_PROMPTS`` prompts of one source each (``<source>-<k>.jsonl``, each a
    resumable :func:`~spark_generate.training.regenerate.regenerate` file with packed linears),
    the sources' slices taken in turn so that a partial corpus mixes them; under ``--max-minutes``.
    ``--workers N`` runs N processes of one torch thread each; a worker claims a slice with a lock
    file the kernel releases when it exits, so workers never share a slice, even after a kill.
-3. ``archive`` (after every ``regenerate`` run, and on its own): each slice as far as it is answered,
+4. ``archive`` (after every ``regenerate`` run, and on its own): each slice as far as it is answered,
    xz-compressed with its settings and progress, into ``examples/data/synthetic/``; a machine
    without the cache folder restores them first and continues where they stop.
 
-    python examples/grow_corpus.py --max-minutes 90     # prompts if missing, then 90 minutes of answers
-    python examples/grow_corpus.py --max-minutes 90 --workers 2   # two slices at once, a thread each
+    python examples/grow_corpus.py --max-minutes 90     # prompts if missing, Magpie requests, then answers
+    python examples/grow_corpus.py --stage magpie --max-minutes 90 --threads 1
+    python examples/grow_corpus.py --stage regenerate --max-minutes 90 --workers 2  # two slices at once
     python examples/grow_corpus.py --stage archive
 
 The answered slices are read back with :func:`answered_slices` (or :func:`synthetic_documents`, all in one list).
@@ -47,6 +54,8 @@ import torch
 
 from spark_generate import prompt_sets, zoo
 from spark_generate.training.prompt_synthesis import (
+    MagpieSettings,
+    MagpieSource,
     ReasoningGymSettings,
     ReasoningGymSource,
     StdlibSource,
@@ -61,6 +70,9 @@ BATCH_SIZE = 32  # with packed linears, 83-90 answer tokens/s on 2 cores (64: 54
 SAMPLING = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 ARCHIVE = Path(__file__).resolve().parent / "data" / "synthetic"
 SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
+MAGPIE = MagpieSettings(num_prompts=18_000)  # requests the target writes (candidates, before filtering)
+MAGPIE_FILE = "magpie.jsonl"
+REPORT = ".report.json"  # synthesize_prompts' settings, counts and progress
 
 
 def folder() -> Path:
@@ -68,9 +80,9 @@ def folder() -> Path:
     return data_directory() / "synthetic"
 
 
-def _restore(name: str) -> None:
+def _restore(name: str, sidecars: tuple[str, ...] = SIDECARS) -> None:
     """Unpacks ``<name>.xz`` (and its sidecars) from the archive if the folder lacks it."""
-    if restore_archived(folder() / name, ARCHIVE / f"{name}.xz"):
+    if restore_archived(folder() / name, ARCHIVE / f"{name}.xz", sidecars):
         print(f"restored {folder() / name} from {ARCHIVE / f'{name}.xz'}")
 
 
@@ -83,7 +95,7 @@ def _archive(name: str, committed_bytes: int | None = None) -> None:
     temporary = ARCHIVE / f"{name}.xz.tmp"
     temporary.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
     os.replace(temporary, ARCHIVE / f"{name}.xz")
-    for suffix in SIDECARS:
+    for suffix in (*SIDECARS, REPORT):
         sidecar = path.with_name(path.name + suffix)
         if sidecar.exists():
             shutil.copy(sidecar, ARCHIVE / (name + suffix))
@@ -103,14 +115,28 @@ def stage_prompts() -> Path:
     return path
 
 
+def _magpie_prompts() -> list[dict]:
+    """The Magpie requests usable in slices: all once their synthesis is done, else whole slices' worth."""
+    path = folder() / MAGPIE_FILE
+    _restore(MAGPIE_FILE, (REPORT,))
+    if not path.exists() or not path.with_name(path.name + REPORT).exists():
+        return []
+    progress = json.loads(path.with_name(path.name + REPORT).read_text())["progress"]
+    records = [json.loads(line) for line in path.read_bytes()[: progress["committed_bytes"]].splitlines()]
+    finished = progress["num_done"] == MAGPIE.num_prompts
+    return records if finished else records[: len(records) // SLICE_PROMPTS * SLICE_PROMPTS]
+
+
 def slices(prompts_path: Path) -> dict[str, list[str]]:
     """``<source>-<k>.jsonl`` -> its prompts: each source's prompts in file order, ``SLICE_PROMPTS`` a slice.
 
-    Ordered by ``k``, then source, so that slices are answered in turn across the sources.
+    The sources are those of ``prompts_path`` and the Magpie requests (:func:`stage_magpie`), whose
+    slices appear as they fill. Ordered by ``k``, then source, so that slices are answered in turn
+    across the sources.
     """
     by_source: dict[str, list[str]] = {}
-    for line in prompts_path.read_text().splitlines():
-        record = json.loads(line)
+    records = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    for record in [*records, *_magpie_prompts()]:
         by_source.setdefault(record["source"], []).append(record["prompt"])
     named = {
         (k // SLICE_PROMPTS, source): prompts[k : k + SLICE_PROMPTS]
@@ -118,6 +144,23 @@ def slices(prompts_path: Path) -> dict[str, list[str]]:
         for k in range(0, len(prompts), SLICE_PROMPTS)
     }
     return {f"{source}-{k:03d}.jsonl": named[k, source] for k, source in sorted(named)}
+
+
+def stage_magpie(target, tokenizer, prompts_path: Path, max_minutes: float | None) -> bool:
+    """Lets the target write ``MAGPIE`` requests (resumable, archived after each run); True once done.
+
+    Repeats of the recipe's training prompts and of the synthesized prompts are dropped.
+    """
+    path = folder() / MAGPIE_FILE
+    _restore(MAGPIE_FILE, (REPORT,))
+    synthesized = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    result = synthesize_prompts([MagpieSource(target, tokenizer, MAGPIE)], path,
+                                exclude=[*prompt_sets.mixed_training_prompts(), *synthesized],
+                                max_minutes=max_minutes, progress="magpie")  # fmt: skip
+    progress = json.loads(result.report_path.read_text())["progress"]
+    _archive(MAGPIE_FILE, progress["committed_bytes"])
+    print(f"magpie: {result.num_kept} kept of {result.num_done} requests written ({result.session_seconds:.0f} s)")
+    return result.num_done == result.num_candidates
 
 
 @contextmanager
@@ -204,9 +247,9 @@ def synthetic_documents() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", default="all", choices=["all", "prompts", "regenerate", "archive"])
+    parser.add_argument("--stage", default="all", choices=["all", "prompts", "magpie", "regenerate", "archive"])
     parser.add_argument(
-        "--max-minutes", type=float, default=None, help="budget of the regeneration; rerun to continue"
+        "--max-minutes", type=float, default=None, help="budget of the Magpie requests and answers; rerun to continue"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument(
@@ -222,11 +265,19 @@ def main() -> None:
                 progress = json.loads((folder() / f"{name}.progress.json").read_text())
                 _archive(name, progress["committed_bytes"])
         return
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
+    if args.stage in ("all", "magpie"):
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        target, tokenizer = zoo.load(TARGET)
+        if not stage_magpie(target, tokenizer, prompts_path, args.max_minutes):
+            raise SystemExit("the Magpie requests stopped at their budget: run the same command again to continue.")
     if args.stage in ("all", "regenerate"):
+        left = None if deadline is None else (deadline - time.monotonic()) / 60
         if args.workers > 1:
-            finished = _run_workers(prompts_path, args.max_minutes, args.workers)
+            finished = _run_workers(prompts_path, left, args.workers)
         else:
-            finished = _worker(prompts_path, args.max_minutes, args.threads)
+            finished = _worker(prompts_path, left, args.threads)
         if not finished:
             raise SystemExit("regeneration stopped at its budget: run the same command again to continue.")
 

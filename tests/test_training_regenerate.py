@@ -9,6 +9,7 @@ file of one uninterrupted run. The ``regenerate`` command is run on a saved copy
 """
 
 import json
+import lzma
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,13 @@ from transformers import PreTrainedTokenizerFast
 from spark_generate.cli import main
 from spark_generate.training import read_jsonl
 from spark_generate.training import regenerate as regenerate_module
-from spark_generate.training.regenerate import SamplingSettings, data_directory, read_prompts, regenerate
+from spark_generate.training.regenerate import (
+    SamplingSettings,
+    data_directory,
+    read_prompts,
+    regenerate,
+    restore_archived,
+)
 
 WORDS = ["<pad>", "<eos>", "<unk>", "user", ":", "assistant", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
@@ -225,3 +232,24 @@ def test_the_command_writes_to_the_data_folder_and_continues_within_its_budget(t
     assert f"regenerate: {len(PROMPTS)} answers in {data} ({len(PROMPTS)}/{len(PROMPTS)} prompts" in output
     code = main(["regenerate", "--target", str(folder), "--prompts", "builtin:poetry"])
     assert code == 2 and "unknown training prompt set 'poetry'; expected one of" in capsys.readouterr().err
+
+
+def test_an_archived_file_is_restored_once_with_its_sidecars_progress_last(tmp_path):
+    """``restore_archived`` unpacks a committed xz file and copies the sidecars asked for, never over a live file."""
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    (archive / "answers.jsonl.xz").write_bytes(lzma.compress(b'{"index": 0}\n'))
+    for suffix in (".meta.json", ".progress.json", ".report.json"):
+        (archive / f"answers.jsonl{suffix}").write_text(json.dumps({"suffix": suffix}))
+    path = tmp_path / "work" / "answers.jsonl"
+    assert restore_archived(path, archive / "answers.jsonl.xz")
+    assert path.read_bytes() == b'{"index": 0}\n'
+    restored = sorted(item.name for item in path.parent.iterdir())
+    assert restored == ["answers.jsonl", "answers.jsonl.meta.json", "answers.jsonl.progress.json"]
+    path.write_bytes(b"grown further\n")
+    assert not restore_archived(path, archive / "answers.jsonl.xz")  # the working copy wins
+    assert path.read_bytes() == b"grown further\n"
+    report = tmp_path / "other" / "answers.jsonl"
+    assert restore_archived(report, archive / "answers.jsonl.xz", sidecars=(".report.json",))
+    assert sorted(item.name for item in report.parent.iterdir()) == ["answers.jsonl", "answers.jsonl.report.json"]
+    assert not restore_archived(tmp_path / "none.jsonl", archive / "none.jsonl.xz")

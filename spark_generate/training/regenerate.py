@@ -335,13 +335,17 @@ def append_lines(descriptor: int, records: list[dict]) -> int:
     return len(data)
 
 
-def restore_archived(path: Path, archived: Path) -> bool:
+def restore_archived(
+    path: Path, archived: Path, sidecars: tuple[str, ...] = (".meta.json", ".progress.json")
+) -> bool:
     """Unpacks ``archived`` (an xz-compressed file, e.g. a committed regeneration) into ``path`` if missing there.
 
-    The sidecars beside ``archived`` (``<name>.meta.json`` and ``<name>.progress.json``, where they
-    exist) are copied after it, the progress file last: a cut-off restore leaves no progress file,
-    and :func:`regenerate` then refuses the partial file instead of trusting it. Returns whether
-    anything was restored (nothing when ``path`` exists or nothing is archived).
+    The ``sidecars`` beside ``archived`` (by default ``<name>.meta.json`` and ``<name>.progress.json``,
+    where they exist) are copied after it, in order, the progress file last: a cut-off restore
+    leaves no progress file, and :func:`regenerate` then refuses the partial file instead of
+    trusting it (as :func:`~spark_generate.training.prompt_synthesis.synthesize_prompts` refuses a
+    file without its ``.report.json``). Returns whether anything was restored (nothing when
+    ``path`` exists or nothing is archived).
     """
     if path.exists() or not archived.exists():
         return False
@@ -349,7 +353,7 @@ def restore_archived(path: Path, archived: Path) -> bool:
     temporary = path.with_name(path.name + ".restore")
     temporary.write_bytes(lzma.decompress(archived.read_bytes()))
     os.replace(temporary, path)
-    for suffix in (".meta.json", ".progress.json"):
+    for suffix in sidecars:
         sidecar = archived.with_name(archived.name.removesuffix(".xz") + suffix)
         if sidecar.exists():
             shutil.copy(sidecar, path.with_name(path.name + suffix))
