@@ -335,9 +335,7 @@ def append_lines(descriptor: int, records: list[dict]) -> int:
     return len(data)
 
 
-def restore_archived(
-    path: Path, archived: Path, sidecars: tuple[str, ...] = (".meta.json", ".progress.json")
-) -> bool:
+def restore_archived(path: Path, archived: Path, sidecars: tuple[str, ...] = (".meta.json", ".progress.json")) -> bool:
     """Unpacks ``archived`` (an xz-compressed file, e.g. a committed regeneration) into ``path`` if missing there.
 
     The ``sidecars`` beside ``archived`` (by default ``<name>.meta.json`` and ``<name>.progress.json``,
