@@ -60,9 +60,15 @@ The recorded run, all four domains, greedy and T = 1, batch 1/4/16, the default 
 per system per cell: about 70 minutes on the project's 2-core CPU (the three-domain run of six
 systems took 33 minutes; a fourth domain and three more systems make it about twice that).
 ``--repeats 3`` triples it; ``--compile`` adds the compilation of each batch shape, minutes each.
+A run longer than a working session is taken in parts: ``--max-minutes`` stops after the cell during
+which the budget ran out (each call measures at least one), every
+finished cell is kept in ``generate_smollm2_cpu.cells.json`` (written atomically, with the run's
+settings, the head's digest and a digest of the ``spark_generate`` sources), and the same command
+continues with the next cell; a run of other settings, another head or changed sources starts over.
+Every ratio is taken within a cell, whose systems always run in one process.
 
     python benchmarks/bench_generate.py                      # the recorded run
-    python benchmarks/bench_generate.py --repeats 3 --compile
+    python benchmarks/bench_generate.py --repeats 3 --compile --max-minutes 150   # rerun to continue
     python benchmarks/bench_generate.py --prompts 1 --max-new-tokens 8 --batch-sizes 1 --temperatures 0 \
         --domains copy code --output /tmp/bench                  # a smoke run
 """
@@ -72,6 +78,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -82,6 +90,7 @@ from _env import write_results
 from tqdm.auto import tqdm
 from transformers import CompileConfig
 
+import spark_generate
 from spark_generate import DSparkForCausalLM, copy_heavy, packed_linears, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
 from spark_generate.profiling import cache_folder, cost_table_for
@@ -449,6 +458,63 @@ def domain_prompts(domain: str) -> list[str | copy_heavy.Conversation]:
     return copy_heavy.copy_heavy_prompts() if domain == "copy" else prompt_sets.load_prompts(domain, "eval")
 
 
+def sources_digest() -> str:
+    """sha256 over the ``spark_generate`` package's Python sources: cells measured on other code are not kept."""
+    digest = hashlib.sha256()
+    package = Path(spark_generate.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+class CellLog:
+    """The finished cells of a run, kept on disk so that a run can span sessions.
+
+    Args:
+        path: The JSON file (replaced atomically after every cell).
+        key: What the cells were measured with; a file of another key is set aside and the run starts over.
+    """
+
+    def __init__(self, path: Path, key: dict):
+        self.path, self.key = path, json.loads(json.dumps(key))
+        self.cells: dict[str, list[dict]] = {}
+        self.failures: dict[str, str] = {}
+        self.finished: dict[str, str] = {}  # cell -> when it finished (UTC)
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved["key"] == self.key:
+                self.cells, self.failures, self.finished = saved["cells"], saved["failures"], saved["finished"]
+            else:
+                print(f"{path} holds cells of other settings, head or sources: starting over")
+
+    @staticmethod
+    def name(domain: str, temperature: float, batch_size: int) -> str:
+        """The cell's key in the file."""
+        return f"{domain}/T={temperature:g}/batch={batch_size}"
+
+    def rows(self, domain: str, temperature: float, batch_size: int) -> list[Row] | None:
+        """The rows of a finished cell, or None."""
+        cell = self.cells.get(self.name(domain, temperature, batch_size))
+        return None if cell is None else [Row(**row) for row in cell]
+
+    def add(self, rows: list[Row], failures: dict[str, str]) -> None:
+        """Keeps a finished cell's rows (and the systems that failed so far) on disk."""
+        first = rows[0]
+        name = self.name(first.domain, first.temperature, first.batch_size)
+        self.cells[name] = [asdict(row) for row in rows]
+        self.finished[name] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        self.failures = dict(failures)
+        record = {"key": self.key, "cells": self.cells, "failures": self.failures, "finished": self.finished}
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text(json.dumps(record) + "\n")
+        os.replace(temporary, self.path)
+
+    def span(self) -> str:
+        """When the cells were measured: ``first - last`` (UTC)."""
+        times = sorted(self.finished.values())
+        return f"cells finished {times[0]} - {times[-1]} UTC" if times else "no cell finished"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=DOMAINS)
@@ -463,17 +529,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--output", type=Path, default=RESULTS, help="folder for the CSV, markdown and chart")
     parser.add_argument("--note", default="", help="free text for the header, e.g. machine load")
+    parser.add_argument(
+        "--max-minutes", type=float, default=None, help="stop between cells after this long; rerun to continue"
+    )
     args = parser.parse_args()
     if "plain-compiled" in args.systems and not args.compile:
         parser.error("plain-compiled runs only with --compile")
     if args.compile and "plain-compiled" not in args.systems:
         args.systems.append("plain-compiled")
     torch.set_num_threads(args.threads)
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     bench = Bench(args)
+    stem = args.output / "generate_smollm2_cpu"
+    head_digest = hashlib.sha256((DSPARK_HEAD / "model.safetensors").read_bytes()).hexdigest()
+    settings = {key: value for key, value in vars(args).items() if key not in ("output", "note", "max_minutes")}
+    key = {"settings": settings, "head_sha256": head_digest, "sources_sha256": sources_digest()}
+    args.output.mkdir(parents=True, exist_ok=True)
+    log = CellLog(stem.with_suffix(".cells.json"), key)
+    bench.failures.update(log.failures)
     rows: list[Row] = []
     cells = [(d, t, b) for d in args.domains for t in args.temperatures for b in args.batch_sizes]
     with torch.no_grad():
         for domain, temperature, batch_size in tqdm(cells, desc="cells"):
+            kept = log.rows(domain, temperature, batch_size)
+            if kept is not None:
+                rows += kept
+                continue
             texts = domain_prompts(domain)[: max(args.prompts, batch_size)]
             prompts = [prompt_ids(bench.tokenizer, text) for text in texts]
             systems = ["plain"] + [s for s in args.systems if s != "plain" and bench.available(s, batch_size)]
@@ -489,14 +570,18 @@ def main() -> None:
             for row in cell:
                 print(row)
             rows += cell
-    stem = args.output / "generate_smollm2_cpu"
+            log.add(cell, bench.failures)
+            if deadline is not None and time.monotonic() >= deadline and len(log.cells) < len(cells):
+                raise SystemExit(
+                    f"stopped at the budget with {len(log.cells)} of {len(cells)} cells done ({log.path}): run the "
+                    "same command again to continue."
+                )
     note = (
         f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
         f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens, "
-        f"median of {args.repeats} interleaved runs per system; "
+        f"median of {args.repeats} interleaved runs per system; {log.span()}; "
         f"{args.note}"
     )
-    head_digest = hashlib.sha256((DSPARK_HEAD / "model.safetensors").read_bytes()).hexdigest()
     head = f"head: {DSPARK_HEAD.name}/model.safetensors sha256 {head_digest}"  # the card checks it
     failures = [f"{system} failed: {reason}" for system, reason in bench.failures.items()]
     write_results(

@@ -1,0 +1,60 @@
+"""The peer benchmark taken in parts: finished cells are kept on disk and a rerun continues with the next.
+
+Runs the real SmolLM2-135M-Instruct (from its PyPI package, as the benchmark does) on one prompt
+and four new tokens per cell, plain systems only; timings are never asserted.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path, *extra):
+    command = [
+        sys.executable, "benchmarks/bench_generate.py", "--domains", "code", "math", "--systems", "plain",
+        "plain-packed", "--prompts", "1", "--max-new-tokens", "4", "--batch-sizes", "1", "--temperatures", "0",
+        "--threads", "1", "--output", str(tmp_path), *extra,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_benchmark_stopped_at_its_budget_continues_with_the_next_cell(tmp_path):
+    first = _bench(tmp_path, "--max-minutes", "0.001")
+    assert first.returncode != 0 and "1 of 2 cells done" in first.stderr, first.stderr[-2000:]
+    log = json.loads((tmp_path / "generate_smollm2_cpu.cells.json").read_text())
+    assert list(log["cells"]) == ["code/T=0/batch=1"] and not (tmp_path / "generate_smollm2_cpu.csv").exists()
+    second = _bench(tmp_path, "--max-minutes", "0.001")
+    assert second.returncode == 0, second.stderr[-2000:]
+    lines = (tmp_path / "generate_smollm2_cpu.csv").read_text().splitlines()
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert [(row["domain"], row["system"]) for row in rows] == [
+        ("code", "plain"), ("code", "plain-packed"), ("math", "plain"), ("math", "plain-packed")
+    ]  # fmt: skip
+    assert [row["ttft_ms"] for row in rows[:2]] == [str(row["ttft_ms"]) for row in log["cells"]["code/T=0/batch=1"]]
+    assert all(row["identical"] == "1/1" for row in rows)
+    assert any("cells finished" in line for line in lines if line.startswith("#"))
+
+
+def test_cells_of_other_settings_head_or_sources_are_not_kept(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_generate
+
+    row = bench_generate.Row(
+        domain="copy", temperature=1.0, batch_size=4, system="plain", requests=4, new_tokens=40, ttft_ms=1.0,
+        request_tok_s=1.0, throughput_tok_s=1.0, p95_latency_s=1.0, tau=1.0, acceptance="", speedup=1.0,
+        vs_plain_packed=None, identical="", drafters="", compile_s=0.0,
+    )  # fmt: skip
+    key = {"settings": {"repeats": 3}, "head_sha256": "a", "sources_sha256": bench_generate.sources_digest()}
+    log = bench_generate.CellLog(tmp_path / "cells.json", key)
+    assert log.rows("copy", 1.0, 4) is None and log.span() == "no cell finished"
+    log.add([row], {"plain-compiled": "no compiler"})
+    kept = bench_generate.CellLog(tmp_path / "cells.json", key)
+    assert kept.rows("copy", 1.0, 4) == [row] and kept.failures == {"plain-compiled": "no compiler"}
+    assert kept.rows("copy", 0.0, 4) is None
+    for changed in ({"settings": {"repeats": 1}}, {"head_sha256": "b"}, {"sources_sha256": "c"}):
+        other = bench_generate.CellLog(tmp_path / "cells.json", {**key, **changed})
+        assert other.rows("copy", 1.0, 4) is None and other.failures == {}
