@@ -16,7 +16,10 @@ not help:
    built at the price of one such forward per document: it pays from the second pass over the
    corpus. The round's folder is named after the shipped head's digest, and its documents are fixed
    when it begins (``round.json``: how many answers of each corpus), so it resumes bit for bit under
-   ``--max-minutes`` however the corpus grows meanwhile, and a promotion starts the next round.
+   ``--max-minutes`` however the corpus grows meanwhile. A round that falls short leaves the shipped
+   head as it is, and the next round (``round-<digest>-<n>``) continues from its final weights where
+   the cache folder still has them, on the corpus answered by then; a promotion starts over at
+   ``n = 0`` from the new head.
 2. ``eval``: online greedy tau (batch 1, whole block, ``EVAL_NEW_TOKENS`` tokens) on the recipe's
    fixed evaluation prompts, for the round's head and for the shipped one, in the same process.
 3. ``promote``: the round's head replaces the shipped head only if the mean of the three domains'
@@ -73,8 +76,31 @@ def shipped_digest(folder: Path = EXPORT) -> str:
     return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()[:12]
 
 
-def round_folder(workdir: Path) -> Path:
-    return workdir / "improve" / f"round-{shipped_digest()}"
+def _rounds() -> list[dict]:
+    return json.loads(ROUNDS.read_text()) if ROUNDS.exists() else []
+
+
+def round_number() -> int:
+    """How many rounds started from the shipped head before this one (all of them fell short of ``MIN_GAIN``)."""
+    digest = shipped_digest()
+    return sum(entry["shipped_before"] == digest for entry in _rounds())
+
+
+def round_folder(workdir: Path, number: int | None = None) -> Path:
+    """``<workdir>/improve/round-<shipped digest>-<number>``: this round's (default), or an earlier one's."""
+    number = round_number() if number is None else number
+    return workdir / "improve" / f"round-{shipped_digest()}-{number}"
+
+
+def warm_start_source(workdir: Path) -> Path:
+    """Where this round starts: the last round's final weights when it fell short and they are here, else the head.
+
+    So rounds that do not reach ``MIN_GAIN`` add up instead of starting over (on a machine that has
+    lost them, from the shipped head again).
+    """
+    number = round_number()
+    previous = recipe._latest_checkpoint(round_folder(workdir, number - 1)) if number else None
+    return previous if recipe._finished(previous, ROUND) else EXPORT
 
 
 def _train_part(records: list[dict]) -> list[dict]:
@@ -149,7 +175,8 @@ def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> 
     counts = json.loads(plan.read_text())["counts"] if plan.exists() else None
     parts, counts = corpus_documents(counts)
     if not plan.exists():
-        _write_json(plan, {"shipped": shipped_digest(), "counts": counts, "settings": ROUND})
+        source = str(warm_start_source(workdir))
+        _write_json(plan, {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": source})
     resume = recipe._latest_checkpoint(folder)
     if recipe._finished(resume, ROUND):
         return resume
@@ -163,7 +190,11 @@ def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> 
     documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
     head.scale_target_features(feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids)))
     trainer = Trainer(head, target, train, TrainingConfig(str(folder), **ROUND), feature_cache=cache)
-    start = {"resume_from": resume} if resume is not None else {"warm_start_from": EXPORT}
+    start = (
+        {"resume_from": resume}
+        if resume is not None
+        else {"warm_start_from": json.loads(plan.read_text())["warm_start"]}
+    )
     left = None if deadline is None else (deadline - time.monotonic()) / 60
     if left is not None and left <= 0:
         return None
@@ -207,6 +238,8 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
     plan = json.loads((round_folder(workdir) / "round.json").read_text())
     record = {
         "shipped_before": plan["shipped"],
+        "round": round_number(),
+        "warm_start": "the shipped head" if Path(plan["warm_start"]) == EXPORT else f"round {round_number() - 1}",
         "steps": ROUND["num_steps"],
         "settings": plan["settings"],
         "answers": plan["counts"],
@@ -218,8 +251,7 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
     if promoted:
         export(workdir, checkpoint, target, tokenizer)
         record["shipped_after"] = shipped_digest()
-    rounds = json.loads(ROUNDS.read_text()) if ROUNDS.exists() else []
-    _write_json(ROUNDS, [*rounds, record])
+    _write_json(ROUNDS, [*_rounds(), record])
     if promoted:
         write_card(EXPORT)
     return promoted
@@ -235,7 +267,7 @@ def write_card(destination: Path) -> None:
     provenance = json.loads((destination / "provenance.json").read_text())
     calibration = json.loads((destination / "calibration.json").read_text())
     evaluation = json.loads((destination / "online_eval.json").read_text())
-    rounds = json.loads(ROUNDS.read_text())
+    rounds = _rounds()
     results: dict[str, object] = {}
     for domain, report in evaluation["round"].items():
         before = evaluation["shipped"][domain]["tau"]

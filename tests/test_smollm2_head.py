@@ -188,11 +188,16 @@ def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_pat
     monkeypatch.setattr(improve, "ROUNDS", shipped / "rounds.json")
     (shipped / "rounds.json").unlink(missing_ok=True)
     before = {path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file()}
-    folder = improve.round_folder(tmp_path)
-    folder.mkdir(parents=True)
     counts = {"smollm2-135m-instruct-mixed.jsonl": 4401, "stdlib-000.jsonl": 768}
-    (folder / "round.json").write_text(json.dumps({"shipped": improve.shipped_digest(), "counts": counts,
-                                                   "settings": improve.ROUND}))  # fmt: skip
+
+    def begin_round() -> Path:  # what stage_train writes when a round begins
+        folder = improve.round_folder(tmp_path)
+        folder.mkdir(parents=True)
+        plan = {"shipped": improve.shipped_digest(), "counts": counts, "settings": improve.ROUND,
+                "warm_start": str(improve.warm_start_source(tmp_path))}  # fmt: skip
+        (folder / "round.json").write_text(json.dumps(plan))
+        return folder
+
     exported = []
     monkeypatch.setattr(improve, "export", lambda *args: exported.append(args))
     monkeypatch.setattr(improve, "write_card", lambda destination: None)
@@ -202,15 +207,23 @@ def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_pat
         return {name: {domain: {"tau": tau * (1 + gain if name == "round" else 1)} for domain, tau in taus.items()}
                 for name in ("shipped", "round")}  # fmt: skip
 
+    folder = begin_round()
+    assert folder.name == f"round-{improve.shipped_digest()}-0" and improve.warm_start_source(tmp_path) == shipped
     assert not improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.029), None, None)
     assert not exported
     assert {
         path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file() and path.name != "rounds.json"
     } == before
+    # The next round continues the last one's weights where they are at hand (else the shipped head's).
+    final = folder / "checkpoint-0002000"
+    final.mkdir()
+    assert improve.round_number() == 1 and improve.warm_start_source(tmp_path) == final
+    folder = begin_round()
     assert improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.031), None, None)
     assert len(exported) == 1
     rounds = json.loads((shipped / "rounds.json").read_text())
     assert [entry["promoted"] for entry in rounds] == [False, True]
+    assert [entry["warm_start"] for entry in rounds] == ["the shipped head", "round 0"]
     assert rounds[0]["answers"] == counts and rounds[0]["mean_gain"] == pytest.approx(0.029)
     assert rounds[0]["online_tau_before"] == {"code": 2.25, "math": 1.69, "chat": 1.44}
 
