@@ -71,9 +71,9 @@ EXPORT = recipe.EXPORT
 ROUNDS = EXPORT / "rounds.json"  # every round, promoted or not
 
 
-def shipped_digest(folder: Path = EXPORT) -> str:
-    """The first 12 hex digits of the sha256 of a head's weights: the name of the round that starts from it."""
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()[:12]
+def shipped_digest() -> str:
+    """The first 12 hex digits of the sha256 of the shipped head's weights: names the rounds starting from it."""
+    return hashlib.sha256((EXPORT / "model.safetensors").read_bytes()).hexdigest()[:12]
 
 
 def _rounds() -> list[dict]:
