@@ -296,7 +296,7 @@ def write_card(destination: Path) -> None:
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     lines = [
         "\n## Rounds\n",
-        "| round | answers (documents) | steps | tau before, code / math / chat | after | mean gain | shipped |",
+        "| round | answers trained from | steps | tau before, code / math / chat | after | mean gain | shipped |",
         "|---:|---:|---:|---|---|---:|---|",
     ]
     for number, entry in enumerate(rounds, start=1):
