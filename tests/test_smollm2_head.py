@@ -209,17 +209,17 @@ def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_pat
 
     folder = begin_round()
     assert folder.name == f"round-{improve.shipped_digest()}-0" and improve.warm_start_source(tmp_path) == shipped
-    assert not improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.029), None, None)
+    assert not improve.promote(tmp_path, folder / "checkpoint-0004000", evaluation(0.029), None, None)
     assert not exported
     assert {
         path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file() and path.name != "rounds.json"
     } == before
     # The next round continues the last one's weights where they are at hand (else the shipped head's).
-    final = folder / "checkpoint-0002000"
+    final = folder / "checkpoint-0004000"
     final.mkdir()
     assert improve.round_number() == 1 and improve.warm_start_source(tmp_path) == final
     folder = begin_round()
-    assert improve.promote(tmp_path, folder / "checkpoint-0002000", evaluation(0.031), None, None)
+    assert improve.promote(tmp_path, folder / "checkpoint-0004000", evaluation(0.031), None, None)
     assert len(exported) == 1
     rounds = json.loads((shipped / "rounds.json").read_text())
     assert [entry["promoted"] for entry in rounds] == [False, True]
