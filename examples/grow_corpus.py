@@ -44,7 +44,6 @@ import json
 import lzma
 import multiprocessing
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,19 +85,26 @@ def _restore(name: str, sidecars: tuple[str, ...] = SIDECARS) -> None:
         print(f"restored {folder() / name} from {ARCHIVE / f'{name}.xz'}")
 
 
-def _archive(name: str, committed_bytes: int | None = None) -> None:
-    """Writes ``<name>`` (its first ``committed_bytes``, else all of it) xz-compressed, with its sidecars."""
+def _archive(name: str) -> None:
+    """Writes ``<name>`` xz-compressed with its sidecars, as far as its progress vouches (all of it without one).
+
+    The sidecars are read before the file and written as read, so a worker committing meanwhile
+    never leaves an archived progress ahead of the archived bytes.
+    """
     path = folder() / name
     ARCHIVE.mkdir(parents=True, exist_ok=True)
+    sidecars = {suffix: path.with_name(path.name + suffix) for suffix in (*SIDECARS, REPORT)}
+    snapshot = {suffix: sidecar.read_bytes() for suffix, sidecar in sidecars.items() if sidecar.exists()}
     data = path.read_bytes()
-    data = data if committed_bytes is None else data[:committed_bytes]
+    if ".progress.json" in snapshot:
+        data = data[: json.loads(snapshot[".progress.json"])["committed_bytes"]]
+    elif REPORT in snapshot and "progress" in json.loads(snapshot[REPORT]):
+        data = data[: json.loads(snapshot[REPORT])["progress"]["committed_bytes"]]
     temporary = ARCHIVE / f"{name}.xz.tmp"
     temporary.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
     os.replace(temporary, ARCHIVE / f"{name}.xz")
-    for suffix in (*SIDECARS, REPORT):
-        sidecar = path.with_name(path.name + suffix)
-        if sidecar.exists():
-            shutil.copy(sidecar, ARCHIVE / (name + suffix))
+    for suffix, content in snapshot.items():
+        (ARCHIVE / (name + suffix)).write_bytes(content)
 
 
 def stage_prompts() -> Path:
@@ -110,8 +116,7 @@ def stage_prompts() -> Path:
     sources = [StdlibSource(), ReasoningGymSource(ReasoningGymSettings(per_family=130))]
     result = synthesize_prompts(sources, path, exclude=prompt_sets.mixed_training_prompts(), progress="prompts")
     print(f"prompts: {result.num_kept} kept of {result.num_candidates} candidates, {result.counts}")
-    _archive("prompts.jsonl")
-    shutil.copy(result.report_path, ARCHIVE / result.report_path.name)
+    _archive("prompts.jsonl")  # with its report
     return path
 
 
@@ -157,8 +162,7 @@ def stage_magpie(target, tokenizer, prompts_path: Path, max_minutes: float | Non
     result = synthesize_prompts([MagpieSource(target, tokenizer, MAGPIE)], path,
                                 exclude=[*prompt_sets.mixed_training_prompts(), *synthesized],
                                 max_minutes=max_minutes, progress="magpie")  # fmt: skip
-    progress = json.loads(result.report_path.read_text())["progress"]
-    _archive(MAGPIE_FILE, progress["committed_bytes"])
+    _archive(MAGPIE_FILE)
     print(f"magpie: {result.num_kept} kept of {result.num_done} requests written ({result.session_seconds:.0f} s)")
     return result.num_done == result.num_candidates
 
@@ -199,8 +203,7 @@ def stage_regenerate(target, tokenizer, prompts_path: Path, max_minutes: float |
             result = regenerate(target, tokenizer, prompts, folder() / name, SAMPLING, batch_size=BATCH_SIZE,
                                 max_minutes=left, progress=name)  # fmt: skip
             if result.session_answer_tokens:
-                progress = json.loads((folder() / f"{name}.progress.json").read_text())
-                _archive(name, progress["committed_bytes"])
+                _archive(name)
                 print(
                     f"{name}: {result.num_done}/{result.num_prompts} prompts, {result.answer_tokens:,} answer "
                     f"tokens; this run {result.session_answer_tokens:,} in {result.session_seconds:.0f} s "
@@ -262,8 +265,7 @@ def main() -> None:
     if args.stage == "archive":
         for name in slices(prompts_path):
             if (folder() / f"{name}.progress.json").exists():
-                progress = json.loads((folder() / f"{name}.progress.json").read_text())
-                _archive(name, progress["committed_bytes"])
+                _archive(name)
         return
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     if args.stage in ("all", "magpie"):

@@ -56,6 +56,7 @@ from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_domain, plot_history
 from spark_generate.training.initialization import feature_scale_from_cache
 from spark_generate.training.provenance import card_rows
+from spark_generate.training.regenerate import write_json_atomically
 
 # 4,000 steps of 8 documents: two passes over the ~16k training documents answered by the first round
 # (the caches pay from the second pass), about 1.7 hours at 1.5 s per step on 2 cores.
@@ -138,7 +139,9 @@ def corpus_documents(counts: dict[str, int] | None = None) -> tuple[dict[str, To
     return parts, counts
 
 
-def stage_cache(workdir: Path, target, tokenizer, parts: dict[str, TokenDataset], max_minutes: float | None):
+def stage_cache(
+    workdir: Path, target, tokenizer, parts: dict[str, TokenDataset], layer_ids: list[int], max_minutes: float | None
+):
     """Each corpus's feature cache (``<workdir>/features/<corpus>-<answers>``), built or resumed within the budget.
 
     One cache per corpus and answer count: a slice answered further gets a new one, the others are
@@ -149,7 +152,6 @@ def stage_cache(workdir: Path, target, tokenizer, parts: dict[str, TokenDataset]
         The folders in the order of ``parts``, or None when the budget ran out first.
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
-    layer_ids = recipe.layer_ids(target)
     folders = []
     for name, dataset in parts.items():
         folder = workdir / "features" / f"{name.removesuffix('.jsonl')}-{len(dataset)}"
@@ -162,12 +164,6 @@ def stage_cache(workdir: Path, target, tokenizer, parts: dict[str, TokenDataset]
     return folders
 
 
-def _write_json(path: Path, value: object) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(temporary, path)
-
-
 def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> Path | None:
     """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done."""
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
@@ -178,16 +174,18 @@ def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> 
     parts, counts = corpus_documents(counts)
     if not plan.exists():
         source = str(warm_start_source(workdir))
-        _write_json(plan, {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": source})
+        record = {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": source}
+        write_json_atomically(plan, record)
     resume = recipe._latest_checkpoint(folder)
     if recipe._finished(resume, ROUND):
         return resume
-    folders = stage_cache(workdir, target, tokenizer, parts, max_minutes)
+    layer_ids = recipe.layer_ids(target)
+    folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, max_minutes)
     if folders is None:
         return None
     train = TokenDataset.concatenate(list(parts.values()))
     cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
-                              layer_ids=recipe.layer_ids(target), verify_checksums=False)  # fmt: skip
+                              layer_ids=layer_ids, verify_checksums=False)  # fmt: skip
     head = DSparkHead.from_pretrained(EXPORT).float()
     documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
     head.scale_target_features(feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids)))
@@ -221,7 +219,7 @@ def stage_eval(workdir: Path, checkpoint: Path, target, tokenizer) -> dict[str, 
         return json.loads(output.read_text())
     heads = {"round": DSparkHead.from_pretrained(checkpoint), "shipped": DSparkHead.from_pretrained(EXPORT)}
     evaluation = {name: online_tau(head.float().attach(target), target, tokenizer) for name, head in heads.items()}
-    _write_json(output, evaluation)
+    write_json_atomically(output, evaluation)
     return evaluation
 
 
@@ -253,7 +251,7 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
     if promoted:
         export(workdir, checkpoint, target, tokenizer)
         record["shipped_after"] = shipped_digest()
-    _write_json(ROUNDS, [*_rounds(), record])
+    write_json_atomically(ROUNDS, [*_rounds(), record])
     if promoted:
         write_card(EXPORT)
     return promoted
@@ -332,7 +330,7 @@ def export(workdir: Path, checkpoint: Path, target, tokenizer) -> None:
     shutil.copytree(EXPORT, staging)
     DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16).save_pretrained(staging)
     provenance = json.loads((checkpoint / "provenance.json").read_text())
-    _write_json(staging / "provenance.json", {**provenance, "previous": previous})
+    write_json_atomically(staging / "provenance.json", {**provenance, "previous": previous})
     calibration.save(staging / "calibration.json", num_steps=len(data.num_accepted))
     plot_reliability(data, calibration, staging / "reliability.png")
     plot_history(json.loads((checkpoint / "history.json").read_text()), staging / "learning_curve.png")

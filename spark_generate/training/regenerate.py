@@ -307,7 +307,7 @@ def _record(index: int, prompt: list[int], answer: list[int]) -> dict:
     return {"index": index, "input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
 
 
-def write_json_atomically(path: Path, value: dict) -> None:
+def write_json_atomically(path: Path, value: object) -> None:
     """Replaces ``path`` atomically (a temporary file renamed over it)."""
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(value, indent=2) + "\n")
