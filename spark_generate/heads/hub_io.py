@@ -280,11 +280,13 @@ class DSparkHubMixin(PreTrainedModel):
             **auto_model_kwargs: What ``AutoModel.from_pretrained`` always passes
                 (``trust_remote_code``, ``adapter_kwargs``, ...); only empty values are accepted,
                 so an unsupported option (e.g. ``device_map``) fails instead of being ignored.
+                Its private ``_from_auto`` marker (transformers >= 5.25) is dropped.
 
         Raises:
             DSparkCheckpointError: If the folder, config, weights or calibration are missing,
                 corrupt or do not match each other.
         """
+        auto_model_kwargs.pop("_from_auto", None)
         unsupported = sorted(name for name, value in auto_model_kwargs.items() if value)
         if unsupported:
             raise TypeError(f"DSparkHead.from_pretrained does not support {unsupported}; use dtype and device")
