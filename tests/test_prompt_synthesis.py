@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import tiny_target
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -359,6 +360,30 @@ def test_a_run_stopped_by_its_budget_resumes_to_the_uninterrupted_file(tmp_path,
     assert len(runs) >= 3
     assert resumed.read_bytes() == straight.path.read_bytes()
     assert runs[-1].counts == straight.counts and runs[-1].evaluation_overlap == straight.evaluation_overlap
+
+
+def test_a_run_continued_under_other_package_versions_records_them(tmp_path, target, monkeypatch):
+    tokenizer = word_tokenizer()
+    kwargs = {"filters": LENIENT, "evaluation": NO_EVALUATION}
+    straight = synthesize_prompts(sources(target, tokenizer), tmp_path / "straight.jsonl", **kwargs)
+    monkeypatch.setattr(prompt_synthesis, "time", FakeClock())
+    path = tmp_path / "resumed.jsonl"
+    first = synthesize_prompts(sources(target, tokenizer), path, max_minutes=0.05, **kwargs)
+    assert 0 < first.num_done < first.num_candidates
+    old = json.loads(first.report_path.read_text())
+    [entry] = old["versions"]
+    assert entry["from_candidate"] == 0 and entry["packages"]["torch"] == torch.__version__
+    # A report of the earlier format kept the versions in its settings: read as the history's first entry.
+    old["settings"]["versions"] = old.pop("versions")[0]["packages"]
+    first.report_path.write_text(json.dumps(old))
+    upgraded = {**entry["packages"], "transformers": "99.0.0"}
+    monkeypatch.setattr(prompt_synthesis, "package_versions", lambda: upgraded)
+    while not synthesize_prompts(sources(target, tokenizer), path, max_minutes=0.05, **kwargs).finished:
+        pass
+    assert path.read_bytes() == straight.path.read_bytes()
+    report = json.loads(first.report_path.read_text())
+    assert "versions" not in report["settings"]
+    assert report["versions"] == [entry, {"from_candidate": first.num_done, "packages": upgraded}]
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_file(tmp_path, target, monkeypatch):

@@ -49,12 +49,15 @@ requests a minute on 2 CPU cores).
     {"prompt": "...", "domain": "math", "source": "magpie", "index": 7, "system": null, "opener": "Solve"}
 
 and ``<output>.report.json`` (settings: the sources with the model, its template and the sampling,
-the filters, the evaluation set's digest; counts; evaluation overlap; progress), replaced atomically
-after each chunk of candidates. ``max_minutes`` stops a run between chunks; a rerun with the same
-arguments cuts the file back to its last whole chunk, rebuilds the deduplication state from the
-kept prompts and continues, so the file is byte for byte that of one uninterrupted run (Magpie
-batches are fixed by the batch size and seeded by their index, as the regeneration seeds answers
-by prompt index in :mod:`~spark_generate.training.regenerate`).
+the filters, the evaluation set's digest; counts; evaluation overlap; progress; the package versions
+and the candidate each set of them started from), replaced atomically after each chunk of
+candidates. ``max_minutes`` stops a run between chunks; a rerun with the same arguments cuts the
+file back to its last whole chunk, rebuilds the deduplication state from the kept prompts and
+continues, so the file is byte for byte that of one uninterrupted run (Magpie batches are fixed by
+the batch size and seeded by their index, as the regeneration seeds answers by prompt index in
+:mod:`~spark_generate.training.regenerate`). A rerun under other package versions (a
+``transformers`` upgrade between sessions) continues too, and the report's ``versions`` history
+says from which candidate on they wrote the file.
 
 Example::
 
@@ -1239,6 +1242,7 @@ def _empty_report(sources: Sequence[PromptSource]) -> dict[str, Any]:
         "evaluation_overlap": {
             source.name: {"checked": 0, "dropped": 0, "max_containment": 0.0, "examples": []} for source in sources
         },
+        "versions": [],
     }
 
 
@@ -1251,7 +1255,10 @@ class _PromptFile:
         self.report = _empty_report(sources)
         if self.report_path.exists():
             previous = json.loads(self.report_path.read_text())
-            if previous.get("settings") != settings:
+            previous_settings = dict(previous.get("settings", {}))
+            if "versions" in previous_settings:  # reports before the history kept one set, in the settings
+                previous.setdefault("versions", [{"from_candidate": 0, "packages": previous_settings.pop("versions")}])
+            if previous_settings != settings:
                 raise ValueError(
                     f"{path} was made with other sources, settings or filters (see {self.report_path}); choose "
                     "another output file, or delete it and its .report.json to start over."
@@ -1262,6 +1269,10 @@ class _PromptFile:
                 f"{path} exists but has no {self.report_path.name}, so synthesize_prompts did not write it; choose "
                 "another output file, or delete it to start over."
             )
+        versions = json.loads(json.dumps(package_versions()))
+        history = self.report["versions"]
+        if not history or history[-1]["packages"] != versions:
+            history.append({"from_candidate": self.report["progress"]["num_done"], "packages": versions})
         self.settings = settings
         committed = self.report["progress"]["committed_bytes"]
         if committed and (not path.exists() or path.stat().st_size < committed):
@@ -1399,7 +1410,6 @@ def synthesize_prompts(
         "filters": dataclasses.asdict(filters),
         "evaluation": {"num_prompts": len(evaluation), "sha256": _digest(evaluation)},
         "exclude": {"num_prompts": len(exclude), "sha256": _digest(exclude)},
-        "versions": package_versions(),
     }))  # fmt: skip
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     output = _PromptFile(Path(output_path), settings, sources)
