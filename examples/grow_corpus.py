@@ -24,8 +24,9 @@ several times larger, session after session, and keeps every step of it committe
    the sources' slices taken in turn so that a partial corpus mixes them; under ``--max-minutes``.
    ``--workers N`` runs N processes of one torch thread each; a worker claims a slice with a lock
    file the kernel releases when it exits, so workers never share a slice, even after a kill.
-4. ``archive`` (after every ``regenerate`` run, and on its own): each slice as far as it is answered,
-   xz-compressed with its settings and progress, into ``examples/data/synthetic/``; a machine
+4. ``archive`` (after every ``regenerate`` run, and on its own, also beside running workers): each
+   slice as far as it is answered, and the Magpie requests as far as they are written,
+   xz-compressed with their settings and progress, into ``examples/data/synthetic/``; a machine
    without the cache folder restores them first and continues where they stop.
 
     python examples/grow_corpus.py --max-minutes 90     # prompts if missing, Magpie requests, then answers
@@ -41,9 +42,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import lzma
 import multiprocessing
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,7 +59,13 @@ from spark_generate.training.prompt_synthesis import (
     StdlibSource,
     synthesize_prompts,
 )
-from spark_generate.training.regenerate import SamplingSettings, data_directory, regenerate, restore_archived
+from spark_generate.training.regenerate import (
+    SamplingSettings,
+    archive_file,
+    data_directory,
+    regenerate,
+    restore_archived,
+)
 
 TARGET = "smollm2-135m-instruct"
 MAX_NEW_TOKENS = 192
@@ -86,25 +91,8 @@ def _restore(name: str, sidecars: tuple[str, ...] = SIDECARS) -> None:
 
 
 def _archive(name: str) -> None:
-    """Writes ``<name>`` xz-compressed with its sidecars, as far as its progress vouches (all of it without one).
-
-    The sidecars are read before the file and written as read, so a worker committing meanwhile
-    never leaves an archived progress ahead of the archived bytes.
-    """
-    path = folder() / name
-    ARCHIVE.mkdir(parents=True, exist_ok=True)
-    sidecars = {suffix: path.with_name(path.name + suffix) for suffix in (*SIDECARS, REPORT)}
-    snapshot = {suffix: sidecar.read_bytes() for suffix, sidecar in sidecars.items() if sidecar.exists()}
-    data = path.read_bytes()
-    if ".progress.json" in snapshot:
-        data = data[: json.loads(snapshot[".progress.json"])["committed_bytes"]]
-    elif REPORT in snapshot and "progress" in json.loads(snapshot[REPORT]):
-        data = data[: json.loads(snapshot[REPORT])["progress"]["committed_bytes"]]
-    temporary = ARCHIVE / f"{name}.xz.tmp"
-    temporary.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
-    os.replace(temporary, ARCHIVE / f"{name}.xz")
-    for suffix, content in snapshot.items():
-        (ARCHIVE / (name + suffix)).write_bytes(content)
+    """Writes ``<name>`` xz-compressed with its sidecars, as far as its progress vouches (all of it without one)."""
+    archive_file(folder() / name, ARCHIVE / f"{name}.xz", (*SIDECARS, REPORT))
 
 
 def stage_prompts() -> Path:
@@ -262,7 +250,9 @@ def main() -> None:
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     prompts_path = stage_prompts()
-    if args.stage == "archive":
+    if args.stage == "archive":  # beside running workers too: each file as far as its progress vouches
+        if (folder() / f"{MAGPIE_FILE}{REPORT}").exists():
+            _archive(MAGPIE_FILE)
         for name in slices(prompts_path):
             if (folder() / f"{name}.progress.json").exists():
                 _archive(name)

@@ -51,7 +51,6 @@ from spark_generate import packed_linears, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
 from spark_generate.profiling import cache_folder
 from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
-from spark_generate.training.calibration import collect_calibration_data, fit_sts, plot_reliability
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_domain, plot_history
 from spark_generate.training.initialization import feature_scale_from_cache
@@ -319,20 +318,15 @@ def write_card(destination: Path) -> None:
 def export(workdir: Path, checkpoint: Path, target, tokenizer) -> None:
     """Calibrates the round's head and writes it, its provenance chain, curve and card over the shipped head."""
     previous = json.loads((EXPORT / "provenance.json").read_text())
-    head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
-    greedy = recipe.split_corpus(recipe.CORPORA["greedy"])["calibration"]
-    pairs = zip(greedy.sequences, greedy.loss_masks, strict=True)
-    prompts = [recipe._prompt_part(ids, mask) for ids, mask in pairs][: recipe.NUM_CALIBRATION_PROMPTS]
-    data = collect_calibration_data(head, target, prompts, max_new_tokens=64, do_sample=True)
-    calibration = fit_sts(data)
     staging = EXPORT.with_name(EXPORT.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(EXPORT, staging)
     DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16).save_pretrained(staging)
     provenance = json.loads((checkpoint / "provenance.json").read_text())
     write_json_atomically(staging / "provenance.json", {**provenance, "previous": previous})
-    calibration.save(staging / "calibration.json", num_steps=len(data.num_accepted))
-    plot_reliability(data, calibration, staging / "reliability.png")
+    head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
+    calibration_set = recipe.split_corpus(recipe.CORPORA["greedy"])["calibration"]
+    recipe.calibrate(head, target, calibration_set, staging / "calibration.json", staging / "reliability.png")
     plot_history(json.loads((checkpoint / "history.json").read_text()), staging / "learning_curve.png")
     shutil.copy(round_folder(workdir) / "eval.json", staging / "online_eval.json")
     retired = EXPORT.with_name(EXPORT.name + ".old")

@@ -55,7 +55,6 @@ import argparse
 import functools
 import hashlib
 import json
-import lzma
 import operator
 import shutil
 import time
@@ -86,6 +85,7 @@ from spark_generate.training.initialization import feature_scale_from_cache
 from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import (
     SamplingSettings,
+    archive_file,
     data_directory,
     prompt_ids,
     regenerate,
@@ -199,15 +199,11 @@ def stage_archive(corpus: Corpus) -> Path:
     regeneration on 2 CPU cores: a machine without the cache folder restores it
     (:func:`restore_corpus`) and continues where it stopped.
     """
-    path = data_directory() / corpus.file
-    progress = json.loads(path.with_name(path.name + ".progress.json").read_text())
-    ARCHIVE.mkdir(exist_ok=True)
-    data = path.read_bytes()[: progress["committed_bytes"]]  # what the progress read above vouches for
-    (ARCHIVE / f"{corpus.file}.xz").write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
-    shutil.copy(path.with_name(path.name + ".meta.json"), ARCHIVE / f"{corpus.file}.meta.json")
-    (ARCHIVE / f"{corpus.file}.progress.json").write_text(json.dumps(progress, indent=2) + "\n")
+    archived = ARCHIVE / f"{corpus.file}.xz"
+    archive_file(data_directory() / corpus.file, archived)
+    progress = json.loads(archived.with_name(f"{corpus.file}.progress.json").read_text())
     print(f"archive: {progress['num_done']} of {len(prompt_sets.mixed_training_prompts())} prompts answered")
-    return ARCHIVE / f"{corpus.file}.xz"
+    return archived
 
 
 def stage_regenerate(target, tokenizer, max_minutes: float | None) -> bool:
@@ -362,17 +358,21 @@ def _prompt_part(document: tuple[int, ...], mask: tuple[int, ...]) -> list[int]:
     return list(document[: mask.index(1)])
 
 
-def stage_calibrate(workdir: Path, target, calibration: TokenDataset) -> Path:
-    output = report(workdir, "calibration", "dspark")
-    if output.exists():
-        return output
-    head = DSparkHead.from_pretrained(final_checkpoint(workdir, "dspark")).attach(target)
+def calibrate(head: DSparkHead, target, calibration: TokenDataset, output: Path, plot: Path) -> None:
+    """Fits STS temperatures on sampled decoding of the first calibration prompts; writes them and their plot."""
     pairs = zip(calibration.sequences, calibration.loss_masks, strict=True)
     prompts = [_prompt_part(ids, mask) for ids, mask in pairs][:NUM_CALIBRATION_PROMPTS]
     data = collect_calibration_data(head, target, prompts, max_new_tokens=64, do_sample=True)
     result = fit_sts(data)
     result.save(output, num_steps=len(data.num_accepted))
-    plot_reliability(data, result, output.with_suffix(".png"))
+    plot_reliability(data, result, plot)
+
+
+def stage_calibrate(workdir: Path, target, calibration: TokenDataset) -> Path:
+    output = report(workdir, "calibration", "dspark")
+    if not output.exists():
+        head = DSparkHead.from_pretrained(final_checkpoint(workdir, "dspark")).attach(target)
+        calibrate(head, target, calibration, output, output.with_suffix(".png"))
     return output
 
 

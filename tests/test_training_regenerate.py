@@ -23,6 +23,7 @@ from spark_generate.training import read_jsonl
 from spark_generate.training import regenerate as regenerate_module
 from spark_generate.training.regenerate import (
     SamplingSettings,
+    archive_file,
     data_directory,
     read_prompts,
     regenerate,
@@ -253,3 +254,29 @@ def test_an_archived_file_is_restored_once_with_its_sidecars_progress_last(tmp_p
     assert restore_archived(report, archive / "answers.jsonl.xz", sidecars=(".report.json",))
     assert sorted(item.name for item in report.parent.iterdir()) == ["answers.jsonl", "answers.jsonl.report.json"]
     assert not restore_archived(tmp_path / "none.jsonl", archive / "none.jsonl.xz")
+
+
+def test_a_file_is_archived_as_far_as_its_progress_vouches_and_restores_to_that(tmp_path):
+    """``archive_file`` cuts the data at the progress it read (regeneration's or a report's), then restores."""
+    work, archive = tmp_path / "work", tmp_path / "archive"
+    work.mkdir()
+    path = work / "answers.jsonl"
+    path.write_bytes(b'{"index": 0}\n{"index": 1}\n{"ind')  # a record being written
+    progress = {"committed_bytes": 13, "num_done": 1}
+    path.with_name("answers.jsonl.meta.json").write_text(json.dumps({"seed": 0}))
+    path.with_name("answers.jsonl.progress.json").write_text(json.dumps(progress))
+    assert archive_file(path, archive / "answers.jsonl.xz") == 13
+    assert lzma.decompress((archive / "answers.jsonl.xz").read_bytes()) == b'{"index": 0}\n'
+    assert json.loads((archive / "answers.jsonl.progress.json").read_text()) == progress
+    restored = tmp_path / "restored" / "answers.jsonl"
+    assert restore_archived(restored, archive / "answers.jsonl.xz")
+    assert restored.read_bytes() == b'{"index": 0}\n'
+    assert restored.with_name("answers.jsonl.meta.json").read_text() == json.dumps({"seed": 0})
+    prompts = work / "prompts.jsonl"
+    prompts.write_bytes(b"a\nb\nc")
+    report = {"settings": {}, "progress": {"committed_bytes": 4, "num_done": 9}}
+    prompts.with_name("prompts.jsonl.report.json").write_text(json.dumps(report))
+    assert archive_file(prompts, archive / "prompts.jsonl.xz", (".report.json",)) == 4
+    assert json.loads((archive / "prompts.jsonl.report.json").read_text()) == report
+    assert archive_file(prompts, archive / "whole.jsonl.xz", ()) == 5  # no progress: all of it
+    assert sorted(item.name for item in archive.iterdir() if item.name.endswith(".tmp")) == []

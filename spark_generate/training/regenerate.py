@@ -72,6 +72,7 @@ __all__ = [
     "RegenerationProgress",
     "SamplingSettings",
     "answer_rows",
+    "archive_file",
     "data_directory",
     "prompt_ids",
     "read_prompts",
@@ -332,6 +333,38 @@ def append_lines(descriptor: int, records: list[dict]) -> int:
     while written < len(data):
         written += os.write(descriptor, data[written:])
     os.fsync(descriptor)
+    return len(data)
+
+
+def archive_file(path: Path, archived: Path, sidecars: tuple[str, ...] = (".meta.json", ".progress.json")) -> int:
+    """Writes ``path`` xz-compressed to ``archived`` with its ``sidecars``, as far as its progress vouches.
+
+    The counterpart of :func:`restore_archived`. The sidecars that exist are read first and written
+    beside ``archived`` as read; the data is cut at the ``committed_bytes`` of the progress file
+    (``<name>.progress.json``, or the ``progress`` of a ``.report.json``), so a writer appending
+    meanwhile never leaves an archived progress ahead of the archived bytes, and an archive cut off
+    between the data and its sidecars pairs new data with an older progress, which a resumed run
+    cuts back. Without a progress sidecar the whole file is archived. The data goes through a
+    temporary file and :func:`os.replace`. Returns the number of bytes archived (before compression).
+    """
+    snapshot = {}
+    for suffix in sidecars:
+        sidecar = path.with_name(path.name + suffix)
+        if sidecar.exists():
+            snapshot[suffix] = sidecar.read_bytes()
+    data = path.read_bytes()
+    for content in snapshot.values():
+        record = json.loads(content)
+        progress = record.get("progress", record)
+        if isinstance(progress, dict) and "committed_bytes" in progress:
+            data = data[: progress["committed_bytes"]]
+            break
+    archived.parent.mkdir(parents=True, exist_ok=True)
+    temporary = archived.with_name(archived.name + ".tmp")
+    temporary.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    os.replace(temporary, archived)
+    for suffix, content in snapshot.items():
+        archived.with_name(archived.name.removesuffix(".xz") + suffix).write_bytes(content)
     return len(data)
 
 
