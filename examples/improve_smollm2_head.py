@@ -27,9 +27,15 @@ not help:
    prompts), exported in bfloat16 with its provenance (the shipped head's provenance kept as
    ``previous``, so the chain reaches the first stage), and the card is rewritten. Either way the
    round is appended to ``rounds.json`` beside the head (committed), with both evaluations.
+4. ``ablation`` (on request, after a round): the DFlash ablation of the last recorded round, the same
+   run without the Markov and confidence heads: it starts from the weights the round started from,
+   less those two heads (saved in the round's folder when it begins), and trains on the same answers
+   with the same settings and seed, so the two differ only by the Markov head; its online tau is
+   added to the round's entry in ``rounds.json`` and to the card.
 
     python examples/improve_smollm2_head.py --max-minutes 80     # train (resumes), then eval and promote
     python examples/improve_smollm2_head.py --stage eval         # only once the round's training is done
+    python examples/improve_smollm2_head.py --stage ablation --max-minutes 80   # resumes too
     python examples/improve_smollm2_head.py --stage card         # after benchmarks/bench_generate.py
 """
 
@@ -68,6 +74,8 @@ ROUND = {
     "save_total_limit": 2,
     "compile_loss": True,
 }
+ABLATION = recipe.VARIANTS["dflash"]  # the round's head without its Markov and confidence heads
+ABLATION_START = "dflash-start"  # in a round's folder: the weights its ablation starts from
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
 EXPORT = recipe.EXPORT
 ROUNDS = EXPORT / "rounds.json"  # every round, promoted or not
@@ -163,42 +171,124 @@ def stage_cache(
     return folders
 
 
+def _minutes_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
+
+
+def _train(
+    workdir: Path, folder: Path, counts: dict[str, int], heads: tuple[Path, Path], target, tokenizer,
+    deadline: float | None,
+) -> Path | None:  # fmt: skip
+    """Caches and trains (or resumes) one run of ``ROUND`` in ``folder``; returns its final checkpoint once done.
+
+    Args:
+        workdir: The cache folder of the chain (feature caches under ``features/``).
+        folder: The run's folder (checkpoints).
+        counts: Answers per corpus to train on (a round's ``round.json``).
+        heads: The saved head whose configuration is trained, and the weights the run starts from
+            (a saved head or a checkpoint of the same configuration).
+        target: The target model.
+        tokenizer: Its tokenizer.
+        deadline: ``time.monotonic()`` by which to stop (at a checkpoint); None: no budget.
+    """
+    parts, _ = corpus_documents(counts)
+    resume = recipe._latest_checkpoint(folder)
+    if recipe._finished(resume, ROUND):
+        return resume
+    layer_ids = recipe.layer_ids(target)
+    folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, _minutes_left(deadline))
+    if folders is None:
+        return None
+    train = TokenDataset.concatenate(list(parts.values()))
+    cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
+                              layer_ids=layer_ids, verify_checksums=False)  # fmt: skip
+    configuration, warm_start = heads
+    head = DSparkHead.from_pretrained(configuration).float()
+    documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
+    head.scale_target_features(feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids)))
+    trainer = Trainer(head, target, train, TrainingConfig(str(folder), **ROUND), feature_cache=cache)
+    start = {"resume_from": resume} if resume is not None else {"warm_start_from": warm_start}
+    left = _minutes_left(deadline)
+    if left == 0:
+        return None
+    checkpoint = trainer.train(max_minutes=left, **start).checkpoint
+    return checkpoint if recipe._finished(checkpoint, ROUND) else None
+
+
 def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> Path | None:
     """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done."""
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     folder = round_folder(workdir)
     folder.mkdir(parents=True, exist_ok=True)
     plan = folder / "round.json"
-    counts = json.loads(plan.read_text())["counts"] if plan.exists() else None
-    parts, counts = corpus_documents(counts)
     if not plan.exists():
-        source = str(warm_start_source(workdir))
-        record = {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": source}
+        _, counts = corpus_documents()
+        source = warm_start_source(workdir)
+        record = {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": str(source)}
+        save_ablation_start(source, folder / ABLATION_START)
         write_json_atomically(plan, record)
-    resume = recipe._latest_checkpoint(folder)
-    if recipe._finished(resume, ROUND):
-        return resume
-    layer_ids = recipe.layer_ids(target)
-    folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, max_minutes)
-    if folders is None:
-        return None
-    train = TokenDataset.concatenate(list(parts.values()))
-    cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
-                              layer_ids=layer_ids, verify_checksums=False)  # fmt: skip
-    head = DSparkHead.from_pretrained(EXPORT).float()
-    documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
-    head.scale_target_features(feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids)))
-    trainer = Trainer(head, target, train, TrainingConfig(str(folder), **ROUND), feature_cache=cache)
-    start = (
-        {"resume_from": resume}
-        if resume is not None
-        else {"warm_start_from": json.loads(plan.read_text())["warm_start"]}
-    )
-    left = None if deadline is None else (deadline - time.monotonic()) / 60
-    if left is not None and left <= 0:
-        return None
-    checkpoint = trainer.train(max_minutes=left, **start).checkpoint
-    return checkpoint if recipe._finished(checkpoint, ROUND) else None
+    record = json.loads(plan.read_text())
+    heads = (EXPORT, Path(record["warm_start"]))
+    return _train(workdir, folder, record["counts"], heads, target, tokenizer, deadline)
+
+
+def ablation_of(head: DSparkHead) -> DSparkHead:
+    """The DFlash ablation of a DSpark head: its backbone's weights, without the Markov and confidence heads."""
+    config = type(head.config).from_dict({**head.config.to_dict(), **ABLATION})
+    ablation = DSparkHead(config)
+    result = ablation.load_state_dict(head.state_dict(), strict=False)
+    dropped = {name.split(".")[0] for name in result.unexpected_keys}
+    if result.missing_keys or not dropped <= {"markov_head", "confidence_head"}:
+        raise ValueError(f"the ablation lacks {result.missing_keys} or drops more than two heads: {sorted(dropped)}")
+    return ablation.to(head.dtype)
+
+
+def save_ablation_start(source: Path, destination: Path) -> None:
+    """Saves where a round's DFlash ablation starts: the weights the round starts from, less its two heads."""
+    ablation_of(DSparkHead.from_pretrained(source)).save_pretrained(destination)
+
+
+def recorded_round(workdir: Path) -> tuple[dict, Path]:
+    """The last round of ``rounds.json`` and its folder (which the ablation needs: its plan and ablation start)."""
+    rounds = _rounds()
+    if not rounds:
+        raise SystemExit("no round is recorded in rounds.json yet: run a round first (--stage all).")
+    entry = rounds[-1]
+    folder = workdir / "improve" / f"round-{entry['shipped_before']}-{entry['round']}"
+    if not (folder / ABLATION_START).exists():
+        raise SystemExit(
+            f"{folder / ABLATION_START} is missing (the round began on another machine, or before rounds saved "
+            "it): the ablation must start from the weights the round started from; ablate a later round."
+        )
+    return entry, folder
+
+
+def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) -> dict[str, dict] | None:
+    """Trains the last recorded round's DFlash ablation like the round (same answers, settings, seed); evaluates it.
+
+    Its online tau is added to the round's entry in ``rounds.json`` (``dflash_online_tau``), and to
+    the card when that round's head is the one shipped.
+
+    Returns:
+        The ablation's online reports, or None when the budget ran out first (rerun to continue).
+    """
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    entry, folder = recorded_round(workdir)
+    output = folder / "dflash" / "eval.json"
+    if not output.exists():
+        start = folder / ABLATION_START
+        checkpoint = _train(workdir, folder / "dflash", entry["answers"], (start, start), target, tokenizer, deadline)
+        if checkpoint is None:
+            return None
+        head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
+        write_json_atomically(output, online_tau(head, target, tokenizer))
+    reports = json.loads(output.read_text())
+    rounds = _rounds()
+    rounds[-1]["dflash_online_tau"] = {domain: report["tau"] for domain, report in reports.items()}
+    write_json_atomically(ROUNDS, rounds)
+    if entry.get("shipped_after") == shipped_digest():
+        write_card(EXPORT)
+    return reports
 
 
 def online_tau(head: DSparkHead, target, tokenizer) -> dict[str, dict]:
@@ -274,6 +364,11 @@ def write_card(destination: Path) -> None:
         results[f"acceptance by position, {domain}"] = " / ".join(
             f"{rate:.2f}" for rate in report["acceptance_by_position"]
         )
+    ablation = next((entry for entry in rounds if entry.get("shipped_after") == shipped_digest()), {})
+    for domain, tau in ablation.get("dflash_online_tau", {}).items():
+        results[f"tau of the DFlash ablation, {domain}"] = (
+            f"{tau:.2f} (the same round without Markov and confidence heads)"
+        )
     results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in calibration["temperatures"])
     promoted = [entry for entry in rounds if entry["promoted"]]
     training = (
@@ -340,7 +435,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=cache_folder() / "runs" / "smollm2",
                         help="folder for the round's checkpoints and evaluation")  # fmt: skip
-    parser.add_argument("--stage", default="all", choices=["all", "train", "eval", "card"])
+    parser.add_argument("--stage", default="all", choices=["all", "train", "eval", "ablation", "card"])
     parser.add_argument("--max-minutes", type=float, default=None, help="budget of the training; rerun to continue")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
@@ -354,6 +449,12 @@ def main() -> None:
     for corpus in recipe.CORPORA.values():
         recipe.restore_corpus(corpus)
     start = time.monotonic()
+    if args.stage == "ablation":
+        reports = stage_ablation(args.workdir, target, tokenizer, args.max_minutes)
+        if reports is None:
+            raise SystemExit("the ablation's training stopped at its budget: run the same command again to continue.")
+        print("DFlash ablation, online tau: " + " / ".join(f"{d} {r['tau']:.2f}" for d, r in reports.items()))
+        return
     checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes) if args.stage != "eval" else None
     if args.stage == "eval":
         checkpoint = recipe._latest_checkpoint(round_folder(args.workdir))

@@ -228,6 +228,31 @@ def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_pat
     assert rounds[0]["online_tau_before"] == {"code": 2.25, "math": 1.69, "chat": 1.44}
 
 
+def test_the_dflash_ablation_starts_from_the_backbone_of_the_round(smollm2, tmp_path, monkeypatch):
+    """The ablation drops the Markov and confidence heads and nothing else: the same backbone logits, bit for bit."""
+    improve = _improve(monkeypatch)
+    target, _ = smollm2
+    improve.save_ablation_start(HEAD, tmp_path / "start")
+    heads = {name: DSparkHead.from_pretrained(folder).float().attach(target)
+             for name, folder in (("dspark", HEAD), ("dflash", tmp_path / "start"))}  # fmt: skip
+    ablation = heads["dflash"]
+    assert ablation.markov_head is None and ablation.confidence_head is None
+    assert heads["dspark"].markov_head is not None and heads["dspark"].confidence_head is not None
+    assert ablation.config.to_dict() == {**heads["dspark"].config.to_dict(), **improve.ABLATION}
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 9, ablation.fc.in_features, generator=generator)
+    blocks = torch.full((2, 2, ablation.config.block_size), ablation.config.mask_token_id)
+    blocks[..., 0] = torch.tensor([[17, 905], [4, 1202]])
+    anchors = torch.tensor([[3, 8], [2, 6]])
+    dspark, dflash = (head(blocks, anchors, features) for head in heads.values())
+    assert torch.equal(dspark.base_logits, dflash.base_logits)
+    assert torch.equal(dspark.draft_hidden, dflash.draft_hidden)
+    monkeypatch.setattr(improve, "ROUNDS", tmp_path / "rounds.json")
+    (tmp_path / "rounds.json").write_text(json.dumps([{"shipped_before": "0123456789ab", "round": 0}]))
+    with pytest.raises(SystemExit, match="dflash-start is missing"):  # a round begun elsewhere cannot be ablated
+        improve.recorded_round(tmp_path)
+
+
 def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
     """``round.json`` pins each corpus's answer count: later answers stay out, missing ones stop the round."""
     improve = _improve(monkeypatch)
