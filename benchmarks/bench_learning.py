@@ -15,7 +15,14 @@ Arms (``--arms``, comma-separated; ``--list`` prints them) differ from ``baselin
 head's recipe, in one choice each unless named otherwise: how the tapped features are scaled
 (``channel``, ``tap``), the learning rate, draft layers, anchors per document, copying the target's
 last layers into the draft layers, the loss (``ce``: argmax agreement for greedy serving), the
-draft vocabulary.
+draft vocabulary. ``recipe`` is the recipe the head trains with today (one draft layer, 8 documents
+x 32 blocks per step), and its arms change one thing each: bfloat16 autocast, two draft layers, a
+4,096-token draft vocabulary, 16 documents x 16 blocks (what makes a CPU step cheaper at an equal
+curve, and the capacity a larger corpus deserves).
+
+``--data`` takes several corpora (e.g. the slices of ``examples/grow_corpus.py``): they take turns,
+for the training documents and the held-out ones alike, so each is represented at any ``--train``.
+``--results`` names the CSV and PNG written to ``benchmarks/results``.
 
 Everything lives in ``--workdir`` (default: ``$SPARK_GENERATE_CACHE/learning`` or
 ``~/.cache/spark_generate/learning``): the feature caches, each arm's checkpoints and
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -79,6 +87,9 @@ class Arm:
 
 BASELINE_HEAD = {"block_size": 7, "num_draft_layers": 2, "markov_rank": 64, "draft_vocab_size": 8192}
 BASELINE_TRAINING = {"batch_size": 2, "num_anchors": 128, "learning_rate": 1e-3, "warmup_ratio": 0.04}
+RECIPE_HEAD = {"num_draft_layers": 1}
+RECIPE_TRAINING = {"batch_size": 8, "num_anchors": 32}
+DOCS16X16 = {"batch_size": 16, "num_anchors": 16}  # the same blocks per step from twice the documents
 ARMS = {
     "baseline": Arm(),
     "channel": Arm(scale="channel"),
@@ -96,6 +107,13 @@ ARMS = {
     "channel-kl-l1": Arm(scale="channel", training={"loss_weights": LossWeights(ce=0.0, l1=0.5, kl=0.5)}),
     "channel-vocab16k": Arm(scale="channel", head={"draft_vocab_size": 16384}),
     "channel-dflash": Arm(scale="channel", head={"markov_rank": 0, "enable_confidence_head": False}),
+    # The recipe the shipped head trains with (examples/train_smollm2_head.py), and one change each:
+    # what makes a CPU step cheaper at an equal curve, and the capacity a larger corpus deserves.
+    "recipe": Arm(scale="channel", head=RECIPE_HEAD, training=RECIPE_TRAINING),
+    "recipe-bf16": Arm(scale="channel", head=RECIPE_HEAD, training={**RECIPE_TRAINING, "mixed_precision": "bf16"}),
+    "recipe-2layers": Arm(scale="channel", head={**RECIPE_HEAD, "num_draft_layers": 2}, training=RECIPE_TRAINING),
+    "recipe-vocab4k": Arm(scale="channel", head={**RECIPE_HEAD, "draft_vocab_size": 4096}, training=RECIPE_TRAINING),
+    "recipe-docs16x16": Arm(scale="channel", head=RECIPE_HEAD, training={**RECIPE_TRAINING, **DOCS16X16}),
 }
 
 
@@ -108,26 +126,52 @@ def subset(dataset: TokenDataset, indices: list[int], name: str) -> TokenDataset
     )
 
 
-def split(path: Path, data: TokenDataset, how: str, num_train: int, num_heldout: int) -> tuple[list[int], list[int]]:
-    """File positions of the training and held-out documents.
+def prompt_indices(paths: list[Path]) -> tuple[list[int], list[int]]:
+    """Each document's file (its position in ``paths``) and prompt index, in the order the files are read."""
+    files, indices = [], []
+    for number, path in enumerate(paths):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                files.append(number)
+                indices.append(json.loads(line)["index"])
+    return files, indices
 
-    ``last``: the last ``num_heldout`` documents of the file are held out (regeneration writes
+
+def interleaved(positions: list[int], files: list[int]) -> list[int]:
+    """``positions`` taken from the files in turn (the first of each file, then the second, ...): every file alike."""
+    rank, seen = {}, collections.Counter()
+    for position in positions:
+        rank[position] = seen[files[position]]
+        seen[files[position]] += 1
+    return sorted(positions, key=lambda position: (rank[position], files[position]))
+
+
+def split(
+    paths: list[Path], data: TokenDataset, how: str, num_train: int, num_heldout: int
+) -> tuple[list[int], list[int]]:
+    """Positions (in the files read one after another) of the training and held-out documents.
+
+    ``last``: the last ``num_heldout`` documents of a single file are held out (regeneration writes
     length-sorted windows, so they are the longest prompts of the last window: mostly one kind of
     task). ``stride``: the documents whose prompt index is ``63 mod 64`` are held out, as
     ``examples/train_smollm2_head.py`` holds them out (all domains alike). Training takes the first
-    ``num_train`` documents of the rest.
+    ``num_train`` documents of the rest; from several files, the files take turns (held out alike),
+    so every corpus is represented at any size.
     """
+    files, indices = prompt_indices(paths)
     if how == "last":
+        if len(paths) > 1:
+            raise SystemExit(f"--split last takes one --data file, got {len(paths)}: use --split stride.")
         heldout = list(range(len(data) - num_heldout, len(data)))
     else:
-        prompt_indices = [json.loads(line)["index"] for line in path.read_text().splitlines() if line.strip()]
-        heldout = [position for position, index in enumerate(prompt_indices) if index % 64 == 63][:num_heldout]
+        heldout = interleaved([p for p, index in enumerate(indices) if index % 64 == 63], files)[:num_heldout]
     chosen = set(heldout)
-    train = [position for position in range(len(data)) if position not in chosen][:num_train]
+    train = interleaved([position for position in range(len(data)) if position not in chosen], files)[:num_train]
     if len(train) < num_train or len(heldout) < num_heldout:
         raise SystemExit(
-            f"{path} holds {len(train)} training and {len(heldout)} held-out documents for --split {how}: fewer "
-            f"than --train {num_train} and --heldout {num_heldout}. Regenerate more, or ask for fewer."
+            f"{', '.join(map(str, paths))} hold {len(train)} training and {len(heldout)} held-out documents for "
+            f"--split {how}: fewer than --train {num_train} and --heldout {num_heldout}. Regenerate more, or ask "
+            "for fewer."
         )
     return train, heldout
 
@@ -255,7 +299,8 @@ def plot(rows: list[dict[str, str]], floor: float, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="on-policy JSONL (regenerate's output)")
+    parser.add_argument("--data", type=Path, nargs="+", default=[DEFAULT_DATA],
+                        help="on-policy JSONL file(s) (regenerate's output); several take turns")  # fmt: skip
     parser.add_argument("--train", type=int, default=1024, help="training documents (the first of the file)")
     parser.add_argument("--heldout", type=int, default=64, help="held-out documents")
     parser.add_argument("--split", choices=["stride", "last"], default="stride",
@@ -266,6 +311,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=CACHE_ROOT / "learning", help="caches, checkpoints, curves")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop between evaluations after this long")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--results", default=RESULTS.stem, help="name of the CSV and PNG in benchmarks/results")
     parser.add_argument("--list", action="store_true", help="print the arms and exit")
     args = parser.parse_args()
     if args.list:
@@ -280,7 +326,7 @@ def main() -> None:
     deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else float("inf")
     target, tokenizer = zoo.load(TARGET)
     target.requires_grad_(False)
-    data = read_jsonl(args.data)
+    data = TokenDataset.concatenate([read_jsonl(path) for path in args.data])
     train_positions, heldout_positions = split(args.data, data, args.split, args.train, args.heldout)
     train = subset(data, train_positions, "training")
     heldout = subset(data, heldout_positions, "held-out")
@@ -289,6 +335,8 @@ def main() -> None:
     caches = {}
     for name, documents in (("train", train), ("heldout", heldout)):
         suffix = "" if args.split == "last" else f"-{args.split}"
+        if len(args.data) > 1:  # the documents depend on the files: one cache per set of files
+            suffix += "-" + hashlib.sha256("\n".join(path.name for path in args.data).encode()).hexdigest()[:8]
         folder = args.workdir / f"features-{name}-{args.train}-{args.heldout}{suffix}"
         build = build_feature_cache(folder, target, tokenizer, documents, layer_ids, max_minutes=args.max_minutes)
         if not build.complete:
@@ -328,12 +376,14 @@ def main() -> None:
     with curves.open() as file:
         rows = [row for row in csv.DictReader(file) if row["arm"] in args.arms.split(",")]
     notes = [
-        f"data: {args.data.name}, {args.train} training and {args.heldout} held-out documents (--split {args.split})",
+        f"data: {', '.join(path.name for path in args.data)}, {args.train} training and {args.heldout} held-out "
+        f"documents (--split {args.split})",
         f"{args.steps} steps per arm; baseline head {BASELINE_HEAD}, training {BASELINE_TRAINING}",
         f"bigram floor (first-slot greedy accuracy, held out): {floor:.4f}",
     ]
-    write_results(RESULTS, rows, torch.device("cpu"), notes)
-    plot(rows, floor, RESULTS.with_suffix(".png"))
+    results = RESULTS.with_name(f"{args.results}.csv")
+    write_results(results, rows, torch.device("cpu"), notes)
+    plot(rows, floor, results.with_suffix(".png"))
 
 
 if __name__ == "__main__":
