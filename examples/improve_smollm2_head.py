@@ -176,7 +176,7 @@ def _minutes_left(deadline: float | None) -> float | None:
 
 
 def _train(
-    workdir: Path, folder: Path, counts: dict[str, int], heads: tuple[Path, Path], target, tokenizer,
+    workdir: Path, folder: Path, parts: dict[str, TokenDataset], heads: tuple[Path, Path], target, tokenizer,
     deadline: float | None,
 ) -> Path | None:  # fmt: skip
     """Caches and trains (or resumes) one run of ``ROUND`` in ``folder``; returns its final checkpoint once done.
@@ -184,14 +184,13 @@ def _train(
     Args:
         workdir: The cache folder of the chain (feature caches under ``features/``).
         folder: The run's folder (checkpoints).
-        counts: Answers per corpus to train on (a round's ``round.json``).
+        parts: Each corpus's training documents (:func:`corpus_documents` of a round's counts).
         heads: The saved head whose configuration is trained, and the weights the run starts from
             (a saved head or a checkpoint of the same configuration).
         target: The target model.
         tokenizer: Its tokenizer.
         deadline: ``time.monotonic()`` by which to stop (at a checkpoint); None: no budget.
     """
-    parts, _ = corpus_documents(counts)
     resume = recipe._latest_checkpoint(folder)
     if recipe._finished(resume, ROUND):
         return resume
@@ -221,15 +220,14 @@ def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> 
     folder = round_folder(workdir)
     folder.mkdir(parents=True, exist_ok=True)
     plan = folder / "round.json"
+    parts, counts = corpus_documents(json.loads(plan.read_text())["counts"] if plan.exists() else None)
     if not plan.exists():
-        _, counts = corpus_documents()
         source = warm_start_source(workdir)
         record = {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": str(source)}
         save_ablation_start(source, folder / ABLATION_START)
         write_json_atomically(plan, record)
-    record = json.loads(plan.read_text())
-    heads = (EXPORT, Path(record["warm_start"]))
-    return _train(workdir, folder, record["counts"], heads, target, tokenizer, deadline)
+    heads = (EXPORT, Path(json.loads(plan.read_text())["warm_start"]))
+    return _train(workdir, folder, parts, heads, target, tokenizer, deadline)
 
 
 def ablation_of(head: DSparkHead) -> DSparkHead:
@@ -277,7 +275,8 @@ def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) 
     output = folder / "dflash" / "eval.json"
     if not output.exists():
         start = folder / ABLATION_START
-        checkpoint = _train(workdir, folder / "dflash", entry["answers"], (start, start), target, tokenizer, deadline)
+        parts, _ = corpus_documents(entry["answers"])
+        checkpoint = _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, deadline)
         if checkpoint is None:
             return None
         head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
