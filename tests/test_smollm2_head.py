@@ -281,3 +281,29 @@ def test_corpus_workers_never_share_a_slice(tmp_path, monkeypatch):
         assert first and not second and other
     with grow._claim("stdlib-000.jsonl") as again:
         assert again
+
+
+def test_rounds_are_judged_on_the_targets_greedy_answers_to_every_evaluation_prompt(smollm2, tmp_path, monkeypatch):
+    """eval_answers answers as greedy generate() does, once per prompts and length; online_tau reads them all."""
+    improve = _improve(monkeypatch)
+    target, tokenizer = smollm2
+    load_prompts = improve.prompt_sets.load_prompts
+    monkeypatch.setattr(improve.prompt_sets, "load_prompts", lambda domain, split: load_prompts(domain, split)[:2])
+    monkeypatch.setattr(improve, "EVAL_NEW_TOKENS", 4)
+    answers = improve.eval_answers(tmp_path, target, tokenizer)
+    assert set(answers) == set(improve.prompt_sets.DOMAINS)
+    for dataset in answers.values():
+        assert len(dataset) == 2
+        for sequence, mask in zip(dataset.sequences, dataset.loss_masks, strict=True):
+            prompt = list(sequence[: mask.index(1)])
+            expected = target.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :]
+            assert list(sequence[len(prompt) :]) == expected.tolist()
+    monkeypatch.setattr(improve, "answer_rows", lambda *args: pytest.fail("answered again"))
+    assert improve.eval_answers(tmp_path, target, tokenizer) == answers  # read back, not answered again
+    monkeypatch.setattr(improve, "EVAL_NEW_TOKENS", 3)
+    with pytest.raises(pytest.fail.Exception, match="answered again"):
+        improve.eval_answers(tmp_path, target, tokenizer)  # another length: answered again
+    reports = improve.online_tau(DSparkHead.from_pretrained(HEAD).float(), target, answers)
+    for report in reports.values():
+        assert report["prompts"] == 2 and 2 <= report["new_tokens"] <= 8 and 1 <= report["tau"] <= 4
+        assert len(report["acceptance_by_position"]) == 7
