@@ -31,7 +31,8 @@ not help:
    round is appended to ``rounds.json`` beside the head (committed), with both evaluations.
 4. ``ablation`` (on request, after a round): the DFlash ablation of the last recorded round, the same
    run without the Markov and confidence heads: it starts from the weights the round started from,
-   less those two heads (saved in the round's folder when it begins), and trains on the same answers
+   less those two heads (saved in the round's folder when it begins, or on another machine taken from
+   the committed head of that digest in git history), and trains on the same answers
    with the same settings and seed, so the two differ only by the Markov head; its online tau is
    added to the round's entry in ``rounds.json`` and to the card.
 
@@ -44,10 +45,13 @@ not help:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
 import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,11 +263,53 @@ def recorded_round(workdir: Path) -> tuple[dict, Path]:
     entry = rounds[-1]
     folder = workdir / "improve" / f"round-{entry['shipped_before']}-{entry['round']}"
     if not (folder / ABLATION_START).exists():
-        raise SystemExit(
-            f"{folder / ABLATION_START} is missing (the round began on another machine, or before rounds saved "
-            "it): the ablation must start from the weights the round started from; ablate a later round."
-        )
+        if entry.get("warm_start") != "the shipped head":
+            raise SystemExit(
+                f"{folder / ABLATION_START} is missing and the round started from an earlier round's final weights "
+                f"({entry.get('warm_start', 'not recorded')}), which were not committed: the ablation must start "
+                "from the weights the round started from; ablate a later round."
+            )
+        with tempfile.TemporaryDirectory() as scratch:  # the round began on another machine: back from git
+            save_ablation_start(committed_head(entry["shipped_before"], Path(scratch)), folder / ABLATION_START)
     return entry, folder
+
+
+def committed_head(digest: str, destination: Path) -> Path:
+    """Checks out the shipped head whose weights' digest begins with ``digest`` from the repository's history.
+
+    A round's folder, where the weights it started from are kept, lives in the cache folder and goes
+    with the machine; a round started from the shipped head of its day, and every shipped head was
+    committed, so the ablation's start comes back from git.
+
+    Args:
+        digest: :func:`shipped_digest` of the head wanted (a round's ``shipped_before``).
+        destination: The folder to write its ``config.json`` and ``model.safetensors`` to.
+
+    Returns:
+        ``destination``.
+
+    Raises:
+        SystemExit: When ``EXPORT`` is not in a git checkout, or no commit holds weights of that digest.
+    """
+
+    def git(*args: str, cwd: Path) -> bytes:
+        return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True).stdout
+
+    try:
+        root = Path(git("rev-parse", "--show-toplevel", cwd=EXPORT).decode().strip()).resolve()
+        folder = EXPORT.resolve().relative_to(root).as_posix()
+        git = functools.partial(git, cwd=root)  # paths below are the repository's
+        for commit in git("log", "--format=%H", "--", f"{folder}/model.safetensors").decode().split():
+            weights = git("show", f"{commit}:{folder}/model.safetensors")
+            if hashlib.sha256(weights).hexdigest().startswith(digest):
+                destination.mkdir(parents=True, exist_ok=True)
+                (destination / "config.json").write_bytes(git("show", f"{commit}:{folder}/config.json"))
+                (destination / "model.safetensors").write_bytes(weights)
+                return destination
+    except (OSError, subprocess.CalledProcessError) as error:
+        message = f"the head {digest} cannot be read from git history ({error}): run in a git checkout"
+        raise SystemExit(message) from error
+    raise SystemExit(f"no commit of {EXPORT / 'model.safetensors'} has weights of digest {digest}")
 
 
 def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) -> dict[str, dict] | None:

@@ -486,8 +486,9 @@ def draft_round(
         blocks[DraftSource.SUFFIX] = running.suffix.draft(request)
     suffix_block = blocks.get(DraftSource.SUFFIX)
     sources = state.schedule.sources(
-        None if suffix_block is None else suffix_block.confidence_logits, len(anchor_ids), settings.head_slots
-    )
+        None if suffix_block is None else suffix_block.confidence_logits, len(anchor_ids), settings.head_slots,
+        context_length=running.cache_mask.shape[1],
+    )  # fmt: skip
     if bool((sources == DraftSource.HEAD).any()):
         blocks[DraftSource.HEAD] = running.drafter.draft(request)
         running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache

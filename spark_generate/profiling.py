@@ -3,7 +3,10 @@
 :func:`profile_costs` times, on random tokens, one verification (the target forward, then the
 greedy or sampled acceptance) over ``R × w`` tokens for every block width ``w`` (and, for
 ``R > 1``, over ``w`` tokens of a single row, so that the table also covers the small batches left
-when rows finish), and one drafting round, in the sampling mode of the generation. :func:`cost_table_for`
+when rows finish), and one drafting round, in the sampling mode of the generation, after a prompt
+of ``CONTEXT_LENGTH`` tokens and again after ``LONG_CONTEXT_LENGTH``: the table keeps how each
+cost grows with the context, which the schedule reads at each round's (a wide round over long
+prompts costs more plain steps than over short ones). :func:`cost_table_for`
 is what the default schedule uses: the table of this target, dtype, device, thread count, head and
 batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs`` (default
 ``~/.cache/spark_generate``), so that later generations plan identically (a seeded sampled
@@ -25,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +47,8 @@ __all__ = ["cache_folder", "cost_table_for", "profile_costs"]
 
 # Held while a cost table is looked up or measured, so that racing first calls measure it once.
 _PROFILING_LOCK = threading.Lock()
+CONTEXT_LENGTH = 64  # prompt tokens per row of the measurement
+LONG_CONTEXT_LENGTH = 512  # ... and of the second one, for the costs' growth with the context
 
 
 def cache_folder() -> Path:
@@ -58,7 +64,8 @@ def profile_costs(
     num_drafts: int | None = None,
     batch_size: int = 1,
     greedy: bool = True,
-    context_length: int = 64,
+    context_length: int = CONTEXT_LENGTH,
+    long_context_length: int | None = LONG_CONTEXT_LENGTH,
     repeats: int = 4,
     path: str | Path | None = None,
     pack_linears: bool | None = None,
@@ -79,6 +86,8 @@ def profile_costs(
         batch_size: Rows per round.
         greedy: Draft greedily (else sample each slot, which costs more per slot).
         context_length: Prompt length of the measurement.
+        long_context_length: A longer prompt to measure again, for the costs' growth with the
+            context (:class:`~spark_generate.schedule.CostTable`); None: measure one length only.
         repeats: Timings per point; the fastest is kept.
         path: Where to write the table (JSON), or None.
         pack_linears: Measure with the linears packed as the generation will run them
@@ -90,24 +99,50 @@ def profile_costs(
     if head is not None:
         head.attach(model)
     num_drafts = _num_drafts(head, num_drafts)
-    seconds: dict[int, float] = {}
+    if long_context_length is not None and long_context_length <= context_length:
+        raise ValueError(
+            f"long_context_length={long_context_length} must exceed context_length={context_length} (or be None)."
+        )
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if long_context_length is not None and positions is not None:  # a short-context model: as long as it allows
+        long_context_length = min(long_context_length, positions - num_drafts - 1)
+        long_context_length = long_context_length if long_context_length > context_length else None
+    lengths = [context_length] if long_context_length is None else [context_length, long_context_length]
+    seconds: list[dict[int, float]] = [{} for _ in lengths]
+    draft_seconds = [0.0 for _ in lengths]
     modules = (model,) if head is None else (model, head)
     with packed_linears(*modules, enabled=resolve_pack_linears(model, pack_linears)):
         for rows in sorted({1, batch_size}):
-            verify_seconds, draft_seconds = _profile_batch(
-                model, head, num_drafts, rows, greedy, context_length, repeats
-            )
-            seconds.update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
-    points = sorted(seconds)
-    # A forward over more tokens never costs less: a timing spike at a small count (another process
-    # on the machine) is replaced by the cheapest larger count, so the table is non-decreasing.
-    verify_seconds = [seconds[n] for n in points]
-    for index in range(len(verify_seconds) - 2, -1, -1):
-        verify_seconds[index] = min(verify_seconds[index], verify_seconds[index + 1])
-    table = CostTable(tuple(points), tuple(verify_seconds), draft_seconds=draft_seconds)
+            for index, length in enumerate(lengths):
+                verify_seconds, draft_seconds[index] = _profile_batch(
+                    model, head, num_drafts, rows, greedy, length, repeats
+                )
+                seconds[index].update({rows * (1 + n): verify_seconds[n] for n in range(num_drafts + 1)})
+    points = sorted(seconds[0])
+    verify_seconds = _non_decreasing([seconds[0][n] for n in points])
+    table = CostTable(tuple(points), tuple(verify_seconds), draft_seconds[0], context_length)
+    if long_context_length is not None:
+        span = long_context_length - context_length
+        longer = _non_decreasing([seconds[1][n] for n in points])
+        growth = zip(verify_seconds, longer, strict=True)
+        slopes = _non_decreasing([max(0.0, (high - low) / span) for low, high in growth])
+        draft_slope = max(0.0, (draft_seconds[1] - draft_seconds[0]) / span)
+        table = replace(table, verify_seconds_per_context=tuple(slopes), draft_seconds_per_context=draft_slope)
     if path is not None:
         table.save(path)
     return table
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """Each value capped by every later one.
+
+    A forward over more tokens never costs less (nor grows slower with the context), so a timing
+    spike at a small count (another process on the machine) is replaced by the cheapest larger count.
+    """
+    values = list(values)
+    for index in range(len(values) - 2, -1, -1):
+        values[index] = min(values[index], values[index + 1])
+    return values
 
 
 def _num_drafts(head: DSparkHead | None, num_drafts: int | None) -> int:
@@ -210,6 +245,7 @@ def cost_table_for(
         return CostTable.estimate(device.type, batch_size * (num_drafts + 1))
     pack = resolve_pack_linears(model, pack_linears)
     key = {**_machine_key(model, head, batch_size, device), "greedy": greedy, "packed_linears": pack}
+    key["context_lengths"] = [CONTEXT_LENGTH, LONG_CONTEXT_LENGTH]
     if head is None or num_drafts != head.config.num_draft_tokens:  # keys of head-only tables stay as they were
         key["num_drafts"] = num_drafts
     path = (

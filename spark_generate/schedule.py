@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -140,15 +140,38 @@ class ConfidenceThreshold:
 class CostTable:
     """Measured cost of one speculative round as a function of the tokens the target verifies.
 
+    The costs grow with the context too: a forward's attention reads every cached token of its
+    rows, so a wide round over a long context costs more plain steps than over a short one (batch
+    16 on a 2-core CPU: 80 tokens cost 2.9 single-token steps at 64 cached tokens a row, 3.5 at
+    350). A table measured at two context lengths keeps the slope, and :meth:`at_context` gives the
+    table for a round's context (linear beyond the first length, as attention is).
+
     Attributes:
         num_tokens: Increasing token counts (rows × (1 + drafts)) that were measured.
         verify_seconds: Seconds of one target forward over that many tokens.
         draft_seconds: Seconds of drafting one block (added to every drafted round).
+        context_length: Cached tokens per row the seconds above were measured at (0: not known).
+        verify_seconds_per_context: Per token count, the seconds a forward adds per cached token
+            beyond ``context_length`` (empty: costs taken as independent of the context).
+        draft_seconds_per_context: The same for drafting one block.
     """
 
     num_tokens: tuple[int, ...]
     verify_seconds: tuple[float, ...]
     draft_seconds: float = 0.0
+    context_length: int = 0
+    verify_seconds_per_context: tuple[float, ...] = ()
+    draft_seconds_per_context: float = 0.0
+
+    def at_context(self, context_length: int) -> CostTable:
+        """The table of rounds over ``context_length`` cached tokens per row (never below the measured costs)."""
+        extra = context_length - self.context_length
+        if extra <= 0 or not self.verify_seconds_per_context:
+            return self
+        slopes = zip(self.verify_seconds, self.verify_seconds_per_context, strict=True)
+        seconds = tuple(base + extra * slope for base, slope in slopes)
+        draft_seconds = self.draft_seconds + extra * self.draft_seconds_per_context
+        return replace(self, verify_seconds=seconds, draft_seconds=draft_seconds, context_length=context_length)
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds of a target forward over ``num_tokens`` tokens (linear interpolation, clamped)."""
@@ -184,7 +207,12 @@ class CostTable:
     def to_dict(self) -> dict[str, object]:
         """The table as JSON-ready fields (read back by :meth:`load`)."""
         fields = {"num_tokens": list(self.num_tokens), "verify_seconds": list(self.verify_seconds)}
-        return {**fields, "draft_seconds": self.draft_seconds}
+        context = {
+            "context_length": self.context_length,
+            "verify_seconds_per_context": list(self.verify_seconds_per_context),
+            "draft_seconds_per_context": self.draft_seconds_per_context,
+        }
+        return {**fields, "draft_seconds": self.draft_seconds, **context}
 
     def save(self, path: str | Path) -> None:
         """Writes the table as JSON."""
@@ -194,7 +222,11 @@ class CostTable:
     def load(cls, path: str | Path) -> CostTable:
         """Reads a table written by :meth:`save`."""
         raw = json.loads(Path(path).read_text())
-        return cls(tuple(raw["num_tokens"]), tuple(raw["verify_seconds"]), raw.get("draft_seconds", 0.0))
+        return cls(
+            tuple(raw["num_tokens"]), tuple(raw["verify_seconds"]), raw.get("draft_seconds", 0.0),
+            raw.get("context_length", 0), tuple(raw.get("verify_seconds_per_context", ())),
+            raw.get("draft_seconds_per_context", 0.0),
+        )  # fmt: skip
 
 
 def goodput_lengths(survival: torch.Tensor, cost_table: CostTable) -> torch.Tensor:
@@ -312,8 +344,10 @@ class AdaptiveSchedule:
 class ScheduleRun(Protocol):
     """A schedule during one generation: the loop asks it where each row drafts, how much to verify, then reports."""
 
-    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
-        """``[R]`` int64 :class:`~spark_generate.telemetry.DraftSource` of each row this round.
+    def sources(
+        self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int, context_length: int = 0
+    ) -> torch.Tensor:
+        """``[R]`` int64 :class:`~spark_generate.telemetry.DraftSource` of each row: the round's first call.
 
         Args:
             suffix_confidence_logits: ``[R, L]`` logits of the suffix drafts' estimated
@@ -321,6 +355,8 @@ class ScheduleRun(Protocol):
                 suffix drafter.
             num_rows: ``R``.
             head_slots: The head's draft slots (0 without a head).
+            context_length: Cached tokens per row of the target (padded), what the round's
+                forward attends to.
         """
         ...
 
@@ -393,7 +429,9 @@ class EveryRound:
 
     schedule: Schedule
 
-    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+    def sources(
+        self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int, context_length: int = 0
+    ) -> torch.Tensor:
         """The head for every row; the suffix drafter without a head."""
         return _default_sources(suffix_confidence_logits, num_rows, head_slots)
 
@@ -510,6 +548,11 @@ class AdaptiveRun:
     plain_steps_left: int = 0
     backoff: int = 1
     rounds_without_head: int = 0  # rounds since the head last drafted
+    round_costs: CostTable | None = None  # cost_table at this round's context (set by sources)
+
+    def __post_init__(self) -> None:
+        if self.round_costs is None:
+            self.round_costs = self.cost_table
 
     @property
     def gain(self) -> float | None:
@@ -523,7 +566,9 @@ class AdaptiveRun:
             return False
         return True
 
-    def sources(self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int) -> torch.Tensor:
+    def sources(
+        self, suffix_confidence_logits: torch.Tensor | None, num_rows: int, head_slots: int, context_length: int = 0
+    ) -> torch.Tensor:
         """``[R]`` each row's drafter under the round plan expected to emit the most tokens per unit of cost.
 
         The forward is a padded ``[R, 1 + k]`` block, so a plan is judged for the whole batch: for
@@ -538,8 +583,10 @@ class AdaptiveRun:
         a probe that did not pay (the head steps aside for twice as long), except once the rounds it
         has not drafted have paid for a probe (``probe_budget`` of a plain step each, up to
         ``max_backoff`` rounds), when it drafts anyway: its record is from the past, and what it
-        drafts may have changed.
+        drafts may have changed. The round's costs (here, in :meth:`lengths` and :meth:`record`)
+        are the table's at ``context_length`` (:meth:`CostTable.at_context`).
         """
+        self.round_costs = self.cost_table.at_context(context_length)
         head_turn = head_slots > 0 and self.should_draft()
         width = head_slots if head_turn else 0
         plain = torch.ones(num_rows, 1, dtype=torch.float64)
@@ -555,7 +602,7 @@ class AdaptiveRun:
         options = [torch.maximum(suffix_tokens, torch.ones_like(suffix_tokens))]  # plain steps and suffix drafts
         if head_turn:
             options.append(torch.maximum(head_tokens, suffix_tokens))
-        table = self.cost_table
+        table = self.round_costs
         base = table.verify_cost(num_rows)
         forwards = torch.tensor([table.verify_cost(num_rows * (1 + k)) for k in range(width + 1)], dtype=torch.float64)
         plans = []  # per option, its best (value, width): the narrowest of the best widths
@@ -612,7 +659,7 @@ class AdaptiveRun:
         head_rows = sources == DraftSource.HEAD
         if bool(head_rows.any()):  # what the head's turns are judged by (sources)
             self.head.planned(survival[head_rows])
-        lengths = lookahead_lengths(survival, acceptance, self.cost_table)
+        lengths = lookahead_lengths(survival, acceptance, self.round_costs)
         return _within_drafts(lengths, sources, confidence_logits)
 
     def record(
@@ -645,7 +692,7 @@ class AdaptiveRun:
         head_rows = live & (sources == DraftSource.HEAD)
         if not head_rows.any():
             return
-        num_rows, table = int(live.sum()), self.cost_table
+        num_rows, table = int(live.sum()), self.round_costs
         cost = (table.draft_seconds + table.verify_cost(num_rows * width)) / table.verify_cost(num_rows)
         tokens = float(num_accepted[head_rows].sum() + head_rows.sum()) / float(head_rows.sum())
         weight = self.settings.smoothing

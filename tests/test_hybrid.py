@@ -111,7 +111,7 @@ class AlternatingRun(AdaptiveRun):
 
     round_index: int = 0
 
-    def sources(self, suffix_confidence_logits, num_rows: int, head_slots: int) -> torch.Tensor:
+    def sources(self, suffix_confidence_logits, num_rows: int, head_slots: int, context_length: int = 0):
         self.round_index += 1
         parity = (torch.arange(num_rows) + self.round_index) % 2
         return torch.where(parity == 0, HEAD, SUFFIX)

@@ -126,6 +126,23 @@ def test_cost_table_interpolates_and_round_trips(tmp_path):
     assert CostTable.load(tmp_path / "costs.json") == table
 
 
+def test_a_cost_table_grows_with_the_context_beyond_the_one_it_was_measured_at(tmp_path):
+    """Each count's cost rises by its own slope per cached token past the measured context; never below it."""
+    table = CostTable((1, 8), (1.0, 2.0), draft_seconds=0.5, context_length=64,
+                      verify_seconds_per_context=(0.001, 0.004), draft_seconds_per_context=0.0005)  # fmt: skip
+    longer = table.at_context(564)
+    assert longer.verify_seconds == pytest.approx((1.5, 4.0)) and longer.draft_seconds == pytest.approx(0.75)
+    assert longer.verify_cost(8) / longer.verify_cost(1) > table.verify_cost(8) / table.verify_cost(1)
+    assert longer.at_context(1064) == table.at_context(1064)  # read from any context, the same costs
+    assert table.at_context(10) is table and table.at_context(64) is table
+    flat = CostTable((1, 8), (1.0, 2.0))  # measured at one context: the same everywhere
+    assert flat.at_context(10_000) is flat
+    table.save(tmp_path / "costs.json")
+    assert CostTable.load(tmp_path / "costs.json") == table
+    (tmp_path / "old.json").write_text(json.dumps({"num_tokens": [1, 8], "verify_seconds": [1.0, 2.0]}))
+    assert CostTable.load(tmp_path / "old.json") == flat  # tables written before the context was kept
+
+
 def test_profile_costs_writes_a_table(tmp_path):
     target = tiny_target("llama", num_layers=2)
     head = tiny_head(target, block_size=3)
@@ -134,6 +151,17 @@ def test_profile_costs_writes_a_table(tmp_path):
     assert table.num_tokens == (1, 2, 3, 4, 6, 8)
     assert all(seconds > 0 for seconds in table.verify_seconds) and table.draft_seconds > 0
     assert json.loads((tmp_path / "costs.json").read_text())["num_tokens"] == [1, 2, 3, 4, 6, 8]
+    # Measured again after a long prompt: how each cost grows with the context (never shrinks).
+    slopes = table.verify_seconds_per_context
+    assert table.context_length == 8 and len(slopes) == len(table.num_tokens)
+    assert all(slope >= 0 for slope in slopes) and list(slopes) == sorted(slopes)
+    assert table.draft_seconds_per_context >= 0
+    short = profile_costs(target, head, batch_size=2, context_length=8, long_context_length=None, repeats=1)
+    assert short.verify_seconds_per_context == () and short.at_context(4096) is short
+    with pytest.raises(ValueError, match="must exceed context_length=8"):
+        profile_costs(target, head, batch_size=2, context_length=8, long_context_length=8, repeats=1)
+    target.config.max_position_embeddings = 12  # a short-context model: measured at one length only
+    assert profile_costs(target, head, batch_size=2, context_length=8, repeats=1).verify_seconds_per_context == ()
 
 
 def test_profile_costs_measures_blocks_wider_than_its_context():

@@ -221,6 +221,23 @@ def test_one_rows_suffix_draft_is_taken_alone_and_left_when_the_batch_would_pay_
     assert AdaptiveSchedule(table).start(table, 2).sources(sure, 4, head_slots=0).tolist() == [SUFFIX] * 3 + [PLAIN]
 
 
+def test_a_suffix_draft_that_pays_over_a_short_context_is_left_over_a_long_one():
+    """The round's costs are the table's at the batch's context: attention makes wide rounds dearer there.
+
+    Measured at 64 cached tokens a row, two drafts cost 1.5 plain steps, so a sure two-slot draft
+    (about 3 tokens) pays; 1,000 tokens later a plain step costs 2 and the wide round 6, and it no
+    longer does. The lengths and the running cost the round is judged by read the same costs.
+    """
+    slopes = (0.001, 0.0045, 0.0045)  # seconds per cached token
+    table = CostTable((1, 2, 3), (1.0, 1.5, 1.5), context_length=64, verify_seconds_per_context=slopes)
+    sure = suffix_logits([[0.999, 0.999]])
+    run = AdaptiveSchedule(table).start(table, 2)
+    assert run.sources(sure, 1, head_slots=0, context_length=64).tolist() == [SUFFIX]
+    assert run.sources(sure, 1, head_slots=0, context_length=1064).tolist() == [PLAIN]
+    assert run.round_costs == table.at_context(1064)
+    assert run.sources(sure, 1, head_slots=0).tolist() == [SUFFIX]  # no context given: the table as measured
+
+
 def test_the_head_runs_only_where_its_record_says_a_round_pays_and_a_declined_turn_backs_off():
     """The head's turn is judged by its per-slot acceptance so far (1/2 before any evidence), drafting included.
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import lzma
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -251,6 +252,48 @@ def test_the_dflash_ablation_starts_from_the_backbone_of_the_round(smollm2, tmp_
     (tmp_path / "rounds.json").write_text(json.dumps([{"shipped_before": "0123456789ab", "round": 0}]))
     with pytest.raises(SystemExit, match="dflash-start is missing"):  # a round begun elsewhere cannot be ablated
         improve.recorded_round(tmp_path)
+
+
+def test_an_ablation_on_a_new_machine_starts_from_the_committed_head_of_the_round(tmp_path, monkeypatch):
+    """A round's folder goes with its machine; the head it started from comes back from git history, exactly."""
+    improve = _improve(monkeypatch)
+    repo = tmp_path / "repo"
+    shipped = repo / "model_cards" / "head"
+    shutil.copytree(HEAD, shipped)
+
+    def git(*args: str) -> None:
+        identity = ("-c", "user.name=test", "-c", "user.email=test@example.com")
+        subprocess.run(["git", "-C", str(repo), *identity, *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "the head round 0 starts from")
+    later = DSparkHead.from_pretrained(HEAD)
+    with torch.no_grad():
+        later.fc.weight.mul_(2)
+    later.save_pretrained(shipped)
+    git("commit", "-qam", "round 0 promoted")
+    monkeypatch.setattr(improve, "EXPORT", shipped)
+    monkeypatch.setattr(improve, "ROUNDS", tmp_path / "rounds.json")
+    digest = hashlib.sha256((HEAD / "model.safetensors").read_bytes()).hexdigest()[:12]
+    assert improve.shipped_digest() != digest
+
+    def record(**entry) -> None:
+        (tmp_path / "rounds.json").write_text(json.dumps([{"round": 0, "warm_start": "the shipped head", **entry}]))
+
+    record(shipped_before=digest)
+    _, folder = improve.recorded_round(tmp_path / "cache")
+    improve.save_ablation_start(HEAD, tmp_path / "expected")
+    recovered, expected = (DSparkHead.from_pretrained(path).state_dict()
+                           for path in (folder / improve.ABLATION_START, tmp_path / "expected"))  # fmt: skip
+    assert recovered.keys() == expected.keys()
+    assert all(torch.equal(recovered[name], expected[name]) for name in expected)
+    record(shipped_before=digest, round=1, warm_start="round 0")  # its start was never committed
+    with pytest.raises(SystemExit, match="earlier round's final weights"):
+        improve.recorded_round(tmp_path / "cache")
+    record(shipped_before="0123456789ab")
+    with pytest.raises(SystemExit, match=r"no commit .* has weights of digest 0123456789ab"):
+        improve.recorded_round(tmp_path / "cache")
 
 
 def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
