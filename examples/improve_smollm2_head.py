@@ -45,7 +45,6 @@ not help:
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -292,18 +291,15 @@ def committed_head(digest: str, destination: Path) -> Path:
         SystemExit: When ``EXPORT`` is not in a git checkout, or no commit holds weights of that digest.
     """
 
-    def git(*args: str, cwd: Path) -> bytes:
-        return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True).stdout
+    def git(*args: str) -> bytes:  # paths relative to EXPORT (``<commit>:./<path>`` too)
+        return subprocess.run(["git", "-C", str(EXPORT), *args], check=True, capture_output=True).stdout
 
     try:
-        root = Path(git("rev-parse", "--show-toplevel", cwd=EXPORT).decode().strip()).resolve()
-        folder = EXPORT.resolve().relative_to(root).as_posix()
-        git = functools.partial(git, cwd=root)  # paths below are the repository's
-        for commit in git("log", "--format=%H", "--", f"{folder}/model.safetensors").decode().split():
-            weights = git("show", f"{commit}:{folder}/model.safetensors")
+        for commit in git("log", "--format=%H", "--", "model.safetensors").decode().split():
+            weights = git("show", f"{commit}:./model.safetensors")
             if hashlib.sha256(weights).hexdigest().startswith(digest):
                 destination.mkdir(parents=True, exist_ok=True)
-                (destination / "config.json").write_bytes(git("show", f"{commit}:{folder}/config.json"))
+                (destination / "config.json").write_bytes(git("show", f"{commit}:./config.json"))
                 (destination / "model.safetensors").write_bytes(weights)
                 return destination
     except (OSError, subprocess.CalledProcessError) as error:
