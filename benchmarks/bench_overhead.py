@@ -14,7 +14,17 @@ drafts, so the machinery is measured, not the adaptive schedule stepping aside),
   (drafting, scheduling, processors, rejection sampling, commit and cache bookkeeping), split into
   ``draft_ms_per_round`` (the head's backbone pass, Markov steps and scheduling) and the rest,
   ``bookkeeping_ms_per_round``;
-* ``overhead_vs_step``: that overhead as a fraction of one target decode step.
+* ``overhead_vs_step``: that overhead as a fraction of one target decode step;
+* ``plain_ms_per_step``: plain ``generate()``'s own wall time outside the target forwards, per
+  decoding step (its processors, stopping criteria and input bookkeeping);
+* ``loop_plain_ms_per_step``: the same for the default loop (head and suffix drafting on,
+  :class:`~spark_generate.AdaptiveSchedule`) when drafting never pays, so every round is a plain
+  step: the schedule plans with a cost table on which any wider forward costs more than it could
+  emit and the head's pass costs a thousand forwards, so it never probes (``max_backoff`` out of
+  reach), while the suffix drafter still indexes and proposes every round. What a plain step of
+  the loop costs beyond plain decoding (the rounds where speculation does not pay, e.g. batch 16
+  on this CPU) is ``loop_plain_ms_per_step - plain_ms_per_step``; ``loop_plain_vs_plain`` is the
+  loop's tokens per second over plain decoding's in that setting.
 
 An untrained head only exercises the machinery: its drafts are rejected, so DSpark is slower than
 plain decoding here by construction; the overhead fraction is the figure to watch. Results go to
@@ -36,8 +46,9 @@ import torch
 from _env import smollm2_shaped_config, write_results
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from spark_generate import DSparkForCausalLM, FixedLength
+from spark_generate import AdaptiveSchedule, CostTable, DSparkForCausalLM, FixedLength
 from spark_generate.heads import DSparkHead
+from spark_generate.suffix import MAX_DRAFT_TOKENS
 
 RESULTS = Path(__file__).parent / "results"
 T = TypeVar("T")
@@ -69,6 +80,21 @@ class Row:
     draft_ms_per_round: float
     bookkeeping_ms_per_round: float
     overhead_vs_step: float
+    plain_ms_per_step: float
+    loop_plain_ms_per_step: float
+    loop_plain_vs_plain: float
+
+
+def never_drafting(batch_size: int, block_size: int, suffix_tokens: int) -> AdaptiveSchedule:
+    """The default schedule on costs where no draft can pay: every round is a plain step.
+
+    A forward over ``n`` tokens costs ``n`` single-row steps (so ``k`` drafts per row cost
+    ``1 + k`` plain steps and can emit at most ``1 + k`` tokens: a tie, which plain steps win), and
+    the head's pass a thousand forwards; ``max_backoff`` out of reach keeps it from probing.
+    """
+    widest = batch_size * (1 + max(block_size, suffix_tokens))
+    table = CostTable(tuple(range(1, widest + 1)), tuple(float(n) for n in range(1, widest + 1)), 1000.0 * widest)
+    return AdaptiveSchedule(cost_table=table, max_backoff=2**62)
 
 
 class ForwardTimer:
@@ -123,6 +149,18 @@ def run(model: str, batch_size: int, args: argparse.Namespace) -> Row:
         args.repeats,
     )
     assert torch.equal(out.sequences, plain), "greedy DSpark output differs from plain generate()"
+    schedule = never_drafting(batch_size, args.block_size, MAX_DRAFT_TOKENS)
+    loop_seconds, loop_forwards, looped = fastest(
+        lambda: wrapped.generate(input_ids, assistant=head, schedule=schedule, return_dict_in_generate=True, **kwargs),
+        timer,
+        args.repeats,
+    )
+    assert torch.equal(looped.sequences, plain), "greedy DSpark output differs from plain generate()"
+    loop_stats = looped.dspark_stats
+    assert torch.equal(loop_stats.num_plain_steps, loop_stats.num_rounds), "the never-drafting schedule drafted"
+    steps = len(plain_forwards) - 1  # the prefill, then one forward per decoding step
+    plain_step = (plain_seconds - sum(plain_forwards)) / steps
+    loop_step = (loop_seconds - sum(loop_forwards)) / (len(loop_forwards) - 1)
     stats = out.dspark_stats
     rounds = int(stats.num_rounds.max())
     overhead = (dspark_seconds - sum(dspark_forwards)) / rounds
@@ -135,7 +173,8 @@ def run(model: str, batch_size: int, args: argparse.Namespace) -> Row:
         tau=round(float(stats.tau.mean()), 3), rounds=rounds, target_step_ms=round(1000 * target_step, 2),
         overhead_ms_per_round=round(1000 * overhead, 2), draft_ms_per_round=round(1000 * draft, 2),
         bookkeeping_ms_per_round=round(1000 * (overhead - draft), 2),
-        overhead_vs_step=round(overhead / target_step, 3),
+        overhead_vs_step=round(overhead / target_step, 3), plain_ms_per_step=round(1000 * plain_step, 2),
+        loop_plain_ms_per_step=round(1000 * loop_step, 2), loop_plain_vs_plain=round(plain_seconds / loop_seconds, 3),
     )  # fmt: skip
 
 
@@ -149,6 +188,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest is kept")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is stable on a shared machine)")
     parser.add_argument("--note", default="", help="free text for the header, e.g. machine load")
+    parser.add_argument("--output", type=Path, default=RESULTS / "overhead_cpu.csv", help="the CSV to write")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -162,7 +202,7 @@ def main() -> None:
         f"float32, greedy, untrained head (1 draft layer), {args.threads} torch thread(s), fastest of "
         f"{args.repeats} runs; {args.note}"
     )
-    write_results(RESULTS / "overhead_cpu.csv", [asdict(row) for row in rows], torch.device("cpu"), [note])
+    write_results(args.output, [asdict(row) for row in rows], torch.device("cpu"), [note])
 
 
 if __name__ == "__main__":

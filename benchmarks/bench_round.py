@@ -167,6 +167,8 @@ def load(name: str) -> tuple[torch.nn.Module, DSparkHead, list[list[int]], int]:
                 head_dim=128,
                 max_position_embeddings=4096,
                 tie_word_embeddings=True,
+                pad_token_id=0,
+                eos_token_id=1,
             )
             target, num_draft_layers = Qwen3ForCausalLM(config).eval(), 3
         head = DSparkHead.from_target(target, num_draft_layers=num_draft_layers, markov_rank=16, block_size=8)

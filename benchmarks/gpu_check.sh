@@ -11,7 +11,7 @@
 #
 # How the wheels travel: the device image has a CUDA build of torch, triton and transformers 5.17,
 # and no internet; spark_generate needs transformers >= 5.18. On the development machine (which
-# reaches the package registries), first fill .whl/ (gitignored, about 15 MB):
+# reaches the package registries), first fill .whl/ (gitignored, about 14 MB):
 #
 #     bash benchmarks/gpu_check.sh --fetch-wheels
 #
@@ -25,10 +25,14 @@
 #     DRY_RUN=1 OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3 hypothesis==6.170.17 sortedcontainers==2.4.0)
+# huggingface-hub as in the image (transformers 5.24 takes >= 1.31; 2.x would need httpx2, absent);
+# the image has hypothesis and sortedcontainers.
+WHEELS=(transformers==5.24.0 tokenizers==0.23.3 huggingface-hub==1.33.0)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
-    pip download --no-deps --dest .whl "${WHEELS[@]}"
+    # The device image runs Python 3.12 on x86-64: fetch the wheels for it, whatever runs here.
+    pip download --no-deps --dest .whl --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 "${WHEELS[@]}"
     du -sh .whl
     exit 0
 fi
@@ -39,8 +43,9 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/gpu_check.log"; }
 
 if [[ -z "${DRY_RUN:-}" ]]; then
     log "installing spark_generate and the carried wheels (no index)"
-    pip install --quiet --no-index --no-deps .whl/*.whl
-    pip install --quiet --no-deps --no-build-isolation -e . || pip install --quiet --no-deps -e .
+    # `python -m pip`: the image's python (a virtualenv holding torch) is not the one `pip` serves.
+    python -m pip install --quiet --no-index --no-deps --find-links .whl "${WHEELS[@]}"
+    python -m pip install --quiet --no-deps --no-build-isolation -e .
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/gpu_check.log"
     export TRITON_INTERPRET=0 DEVICE=cuda DTYPE=bfloat16 TARGET=qwen3-0.6b NEW_TOKENS=64
     REJECTION_ARGS=()

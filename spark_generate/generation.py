@@ -426,13 +426,12 @@ def speculative_step(state: DecodeState) -> None:
     live = state.unfinished[running.rows]  # finished rows may ride along until they are dropped
     block, sources = draft_round(state, anchor_ids, prefixes)
     drafting = bool((sources != DraftSource.PLAIN).any())
+    num_verified = torch.zeros(num_rows, dtype=torch.int64, device=anchor_ids.device)
     if drafting:
         num_verified = state.schedule.lengths(block.confidence_logits, num_rows, settings.num_draft_tokens, sources)
-    else:
-        num_verified = torch.zeros(num_rows, dtype=torch.int64)
-    budget = settings.max_length - state.lengths[running.rows] - 1  # a row never emits past max_length
-    budget = torch.where(live, budget.clamp(min=0), 0)  # a finished row only steps along, one token a round
-    num_verified = torch.minimum(num_verified.to(budget.device), budget)
+        budget = settings.max_length - state.lengths[running.rows] - 1  # a row never emits past max_length
+        budget = torch.where(live, budget.clamp(min=0), 0)  # a finished row only steps along, one token a round
+        num_verified = torch.minimum(num_verified.to(budget.device), budget)
     width = int(num_verified.max()) + 1
     verify_start = time.perf_counter()
 
@@ -450,8 +449,7 @@ def speculative_step(state: DecodeState) -> None:
     if drafting:
         state.schedule.record(num_verified, verdict.num_emitted, live, sources)
     record_step(
-        state.stats, running.rows[live], num_verified[live], verdict.num_accepted[live], sources[live], start,
-        verify_start,
+        state.stats, running.rows, num_verified, verdict.num_accepted, sources, live, start, verify_start
     )  # fmt: skip
 
     commit(state, verdict.token_ids, verdict.num_emitted, verdict.target_scores, target_logits)
@@ -524,8 +522,9 @@ def commit(
         state.token_ids[rows, state.lengths[rows]] = token_ids[live, slot]
         state.lengths[rows] += 1
         stop = state.lengths[rows] >= settings.max_length
+        slot_scores = scores[:, slot] if bool(live.all()) else scores[live, slot]  # a view when every row emits
         for length, group in rows_by_length(state.lengths[rows]):
-            group_scores = scores[live, slot][group]
+            group_scores = slot_scores if len(group) == len(rows) else slot_scores[group]
             stop[group] |= settings.stopping_criteria(state.token_ids[rows[group], :length], group_scores).to(
                 stop.device
             )

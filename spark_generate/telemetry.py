@@ -183,43 +183,49 @@ class DSparkGenerateOutput(GenerateDecoderOnlyOutput):
 
 def record_step(
     stats: SpeculativeStats, rows: torch.Tensor, num_verified: torch.Tensor, num_accepted: torch.Tensor,
-    sources: torch.Tensor, start: float, verify_start: float,
+    sources: torch.Tensor, live: torch.Tensor, start: float, verify_start: float,
 ) -> None:  # fmt: skip
-    """Adds one step of the running ``rows`` to ``stats``.
+    """Adds one step of the ``live`` running ``rows`` to ``stats`` (on any device; read on the host).
 
     Args:
         stats: The statistics to update.
-        rows: ``[R]`` batch indices of the rows the step counts for.
+        rows: ``[R]`` batch indices of the running rows.
         num_verified: ``[R]`` drafts verified.
         num_accepted: ``[R]`` drafts accepted.
         sources: ``[R]`` int64 :class:`DraftSource` of each row (``PLAIN``: a plain decoding step).
+        live: ``[R]`` bool, the rows the step counts for (a finished row riding along does not).
         start: ``time.perf_counter()`` when the step began.
         verify_start: ``time.perf_counter()`` when its target forward began.
     """
-    rows, num_verified, num_accepted, sources = rows.cpu(), num_verified.cpu(), num_accepted.cpu(), sources.cpu()
+    live = live.cpu()
+    rows, num_verified, num_accepted = rows.cpu()[live], num_verified.cpu()[live], num_accepted.cpu()[live]
+    sources = sources.cpu()[live]
     plain = sources == DraftSource.PLAIN
+    now = time.perf_counter()
+    if stats._first_step_start is None:
+        stats._first_step_start = start
+    stats.decode_seconds = now - stats._first_step_start
     stats.num_rounds[rows] += 1
+    if bool(plain.all()) and not bool(num_verified.any()):  # a plain step of every row: nothing drafted
+        stats.num_plain_steps[rows] += 1
+        stats.plain_seconds += now - start
+        stats.rounds_by_source[DraftSource.PLAIN] += len(rows)
+        stats.seconds_by_source[DraftSource.PLAIN] += (now - start) if len(rows) else 0.0
+        return
     stats.num_plain_steps[rows] += plain.long()
     stats.num_drafted[rows] += num_verified
     stats.num_accepted[rows] += num_accepted
     slots = torch.arange(stats.verified_by_position.shape[1])
     stats.verified_by_position[rows] += (slots[None] < num_verified[:, None]).long()
     stats.accepted_by_position[rows] += (slots[None] < num_accepted[:, None]).long()
-    now = time.perf_counter()
-    if bool(plain.all()):
-        stats.plain_seconds += now - start
-    else:
-        stats.draft_seconds += verify_start - start
-        stats.verify_seconds += now - verify_start
+    stats.draft_seconds += verify_start - start
+    stats.verify_seconds += now - verify_start
     if len(rows):
         stats.rounds_by_source += torch.bincount(sources, minlength=len(DraftSource))
         stats.drafted_by_source += torch.bincount(sources, weights=num_verified, minlength=len(DraftSource)).long()
         stats.accepted_by_source += torch.bincount(sources, weights=num_accepted, minlength=len(DraftSource)).long()
         share = (now - start) / len(rows)
         stats.seconds_by_source += share * torch.bincount(sources, minlength=len(DraftSource)).double()
-    if stats._first_step_start is None:
-        stats._first_step_start = start
-    stats.decode_seconds = now - stats._first_step_start
 
 
 def stack_per_step(per_row: list[list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:

@@ -127,7 +127,10 @@ def verify_block(
             ],
             dim=1,
         )
-    if sampling.greedy:
+    if sampling.greedy and width == 1:  # a plain step: the argmax
+        token_ids = target_scores[:, 0].argmax(dim=-1, keepdim=True)
+        num_emitted = torch.ones_like(token_ids[:, 0])
+    elif sampling.greedy:
         token_ids, num_emitted = _greedy_verdict(target_scores.argmax(dim=-1), draft_token_ids, num_verified)
     elif width == 1:  # a plain step: what rejection_sample emits with no drafts, drawn directly
         bonus = sample(

@@ -46,6 +46,21 @@ settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Where the Triton kernel runs: the interpreter takes CPU tensors, the compiled kernel CUDA ones.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu"
+
+
+def _through_the_device(rejection_sample):
+    """`rejection_sample` with its tensors moved to the kernel's device and its results back."""
+
+    def move(value):
+        return value.to(KERNEL_DEVICE) if isinstance(value, torch.Tensor) else value
+
+    def on_device(*args, **kwargs):
+        results = rejection_sample(*map(move, args), **{name: move(value) for name, value in kwargs.items()})
+        return tuple(result.cpu() for result in results)
+
+    return on_device
 
 
 @pytest.fixture(
@@ -57,8 +72,14 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
         ),
     ]
 )
-def backend(request) -> str:
-    """Runs a test once per verification backend (Triton through its interpreter on CPU)."""
+def backend(request, monkeypatch) -> str:
+    """Runs a test once per verification backend (Triton through its interpreter on CPU).
+
+    On a CUDA machine without the interpreter, the test module's `rejection_sample` runs the
+    "triton" case on the GPU: the test's CPU tensors go there and the results come back.
+    """
+    if request.param == "triton" and KERNEL_DEVICE == "cuda" and hasattr(request.module, "rejection_sample"):
+        monkeypatch.setattr(request.module, "rejection_sample", _through_the_device(request.module.rejection_sample))
     return request.param
 
 

@@ -33,7 +33,7 @@ class FakeClock:
             drafted = [HEAD if drafted else PLAIN] * len(rows)
         record_step(
             stats, torch.tensor(rows), torch.tensor(num_verified), torch.tensor(num_accepted), torch.tensor(drafted),
-            start, start + draft,
+            torch.ones(len(rows), dtype=torch.bool), start, start + draft,
         )  # fmt: skip
         self.now += then
 

@@ -1,11 +1,13 @@
 """The Triton kernel against the PyTorch reference, and its compilation for Hopper GPUs.
 
 On a CPU machine the kernel runs through Triton's interpreter (``TRITON_INTERPRET=1``, set in
-`conftest.py` before anything imports Triton). The interpreter executes the kernel's own code, so
-equality with the reference on identical explicit draws shows the kernel implements the
-specification; the interpreter is more permissive than the compiler, so the same kernel is also
-compiled ahead of time for ``sm_90`` in a subprocess without the interpreter, and its PTX is
-checked for the approximate division and fused multiply-adds that would break bit-exactness.
+`conftest.py` before anything imports Triton); on a CUDA machine run with ``TRITON_INTERPRET=0``
+the same tests compile the kernel for the device and compare it with the reference on CUDA
+tensors. The interpreter executes the kernel's own code, so equality with the reference on
+identical explicit draws shows the kernel implements the specification; the interpreter is more
+permissive than the compiler, so the same kernel is also compiled ahead of time for ``sm_90`` in
+a subprocess without the interpreter, and its PTX is checked for the approximate division and
+fused multiply-adds that would break bit-exactness.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ pytestmark = pytest.mark.triton
 
 from spark_generate.kernels._triton_rejection import rejection_sample_triton  # noqa: E402
 
+# Where the kernel runs: the interpreter takes CPU tensors, the compiled kernel CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
 
 def make_case(seed, batch_size, block_size, vocab_size, draft_mode, uniform_mode, zero_rate):
     gen = torch.Generator().manual_seed(seed)
@@ -53,7 +58,8 @@ def make_case(seed, batch_size, block_size, vocab_size, draft_mode, uniform_mode
     }[uniform_mode]
     noise = 1 / torch.empty(batch_size, vocab_size).exponential_(generator=gen)
     greedy = torch.rand(batch_size, generator=gen) < 0.3
-    return target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, uniforms, noise
+    case = target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, uniforms, noise
+    return tuple(None if tensor is None else tensor.to(DEVICE) for tensor in case)
 
 
 cases = st.builds(
@@ -106,7 +112,7 @@ def test_kernel_counter_mode_matches_the_reference():
     case = make_case(3, 64, 5, 37, "independent", "random", 0.2)
     target_probs, draft_probs, draft_token_ids, num_draft_tokens, greedy, _, _ = case
     args = (target_probs, draft_probs, draft_token_ids, num_draft_tokens)
-    seeds, positions = torch.arange(64) * 1000003 + 17, torch.arange(64) * 5
+    seeds, positions = (torch.arange(64, device=DEVICE) * 1000003 + 17, torch.arange(64, device=DEVICE) * 5)
     reference = rejection_sample(*args, greedy=greedy, seed=seeds, positions=positions, backend="torch")
     kernel = rejection_sample(*args, greedy=greedy, seed=seeds, positions=positions, backend="triton")
     assert torch.equal(reference[1], kernel[1]), "acceptance decisions use bit-identical Philox uniforms"
@@ -151,18 +157,18 @@ def philox_test_inputs():
 def test_philox_port_equals_triton_rand_bit_for_bit():
     seeds, offsets = philox_test_inputs()
     expected = philox_uniform(seeds[:, None], offsets)
-    out = torch.empty(16, 256)
-    _philox_uniform_kernel[(16,)](seeds, offsets, out, 256, BLOCK=256)
-    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    out = torch.empty(16, 256, device=DEVICE)
+    _philox_uniform_kernel[(16,)](seeds.to(DEVICE), offsets.to(DEVICE), out, 256, BLOCK=256)
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
     assert (expected >= 0).all() and (expected < 1).all()
 
 
 def test_philox_four_lane_port_equals_triton_rand4x_bit_for_bit():
     seeds, offsets = philox_test_inputs()
     expected = philox_uniform4x(seeds[:, None], offsets)
-    out = torch.empty(16, 256, 4)
-    _philox_uniform4x_kernel[(16,)](seeds, offsets, out, 256, BLOCK=256)
-    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    out = torch.empty(16, 256, 4, device=DEVICE)
+    _philox_uniform4x_kernel[(16,)](seeds.to(DEVICE), offsets.to(DEVICE), out, 256, BLOCK=256)
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
     assert torch.equal(expected[..., 0], philox_uniform(seeds[:, None], offsets))
 
 
