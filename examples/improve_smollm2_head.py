@@ -9,9 +9,13 @@ not help:
 1. ``train``: a run of ``ROUND`` settings (warmup and cosine decay from ``learning_rate``) warm-started
    from the shipped head's weights (:meth:`~spark_generate.training.Trainer.train` with
    ``warm_start_from`` a saved head: ``fc`` unfolded onto this round's feature scale), on the
-   training split of the recipe's two corpora and of every answered slice of
-   ``examples/grow_corpus.py``, read from feature caches built per corpus (``stage_cache``; 6.6 MB
-   per 1,000 tokens, rebuilt slice by slice on a new machine). Running the target in process instead
+   training split of the answers its start has not been trained on (the recipe's two corpora and
+   every answered slice of ``examples/grow_corpus.py``, past the counts of the round that shipped
+   the head, or of the round whose final weights it continues), with every ``REPLAY_STRIDE``-th of
+   the earlier answers replayed against forgetting, read from feature caches built per part
+   (``stage_cache``; 6.6 MB per 1,000 tokens, rebuilt part by part on a new machine): the whole
+   corpus (6.5M tokens, 42 GB of features) fits neither this disk's page cache nor a session, its
+   new answers do. Running the target in process instead
    costs about 8 s per step of 8 documents here, against 1.5-1.75 s from a cache, and a cache is
    built at the price of one such forward per document: it pays from the second pass over the
    corpus. The round's folder is named after the shipped head's digest, and its documents are fixed
@@ -69,8 +73,9 @@ from spark_generate.training.initialization import feature_scale_from_cache
 from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, answer_rows, write_json_atomically
 
-# 4,000 steps of 8 documents: two passes over the ~16k training documents answered by the first round
-# (the caches pay from the second pass), about 1.7 hours at 1.5 s per step on 2 cores.
+# 4,000 steps of 8 documents: two passes over the ~16k training documents of the first round, about
+# three over the second's ~10k new and 2k replayed ones (the caches pay from the second pass), about
+# 1.7 hours at 1.5 s per step on 2 cores.
 ROUND = {
     "num_steps": 4000,
     "batch_size": 8,
@@ -85,6 +90,7 @@ ABLATION_START = "dflash-start"  # in a round's folder: the weights its ablation
 EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the round's online tau)
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
+REPLAY_STRIDE = 8  # a round replays every 8th answer its start was trained on, beside the new ones
 EXPORT = recipe.EXPORT
 ROUNDS = EXPORT / "rounds.json"  # every round, promoted or not
 
@@ -125,18 +131,26 @@ def _train_part(records: list[dict]) -> list[dict]:
     return [record for record in records if recipe._part(record["index"]) == "train"]
 
 
-def corpus_documents(counts: dict[str, int] | None = None) -> tuple[dict[str, TokenDataset], dict[str, int]]:
-    """Each corpus's training documents, and how many answers each corpus contributed.
+def corpus_documents(
+    counts: dict[str, int] | None = None, trained: dict[str, int] | None = None, replay_stride: int = REPLAY_STRIDE
+) -> tuple[dict[str, TokenDataset], dict[str, int]]:
+    """A round's training documents by part, and how many answers of each corpus it reaches.
 
     Args:
-        counts: Answers per corpus to take (a round's ``round.json``); None: all answered so far.
+        counts: Answers per corpus the round reaches (a round's ``round.json``); None: all answered so far.
+        trained: Answers per corpus its start was trained on (the first ``trained[name]``; absent: none).
+            Those are replayed, every ``replay_stride``-th of them; the answers from there to
+            ``counts`` are new.
+        replay_stride: One in this many of the trained answers joins the round.
 
     Returns:
-        Per corpus (a JSONL file name), the training split of its first ``counts`` answers; the counts.
+        Per part (``<corpus>-<from>-<to>`` for new answers, ``<corpus>-replay<stride>-<to>`` for
+        replayed ones), the training split (prompt index % ``HOLDOUT_STRIDE``) of its answers; the counts.
     """
     corpora = {corpus.file: recipe._records(corpus) for corpus in recipe.CORPORA.values()}
     corpora.update(grow_corpus.answered_slices())
     counts = counts or {name: len(records) for name, records in corpora.items()}
+    trained = trained or {}
     missing = {name: count for name, count in counts.items() if len(corpora.get(name, ())) < count}
     if missing:
         raise SystemExit(
@@ -145,23 +159,43 @@ def corpus_documents(counts: dict[str, int] | None = None) -> tuple[dict[str, To
         )
     parts = {}
     for name, count in counts.items():
-        chosen = _train_part(corpora[name][:count])
-        parts[name] = TokenDataset(
-            tuple(tuple(record["input_ids"]) for record in chosen),
-            tuple(tuple(record["loss_mask"]) for record in chosen),
-            f"{name}: training split (prompt index % {recipe.HOLDOUT_STRIDE}) of its first {count} answers",
-        )
+        stem, before = name.removesuffix(".jsonl"), min(trained.get(name, 0), count)
+        selections = {
+            f"{stem}-replay{replay_stride}-{before}": (corpora[name][:before][::replay_stride], "replayed"),
+            f"{stem}-{before}-{count}": (corpora[name][before:count], "new"),
+        }
+        for part, (records, kind) in selections.items():
+            chosen = _train_part(records)
+            if chosen:
+                parts[part] = TokenDataset(
+                    tuple(tuple(record["input_ids"]) for record in chosen),
+                    tuple(tuple(record["loss_mask"]) for record in chosen),
+                    f"{name}: training split (prompt index % {recipe.HOLDOUT_STRIDE}) of its {kind} answers ({part})",
+                )
     return parts, counts
+
+
+def trained_counts(source: Path) -> dict[str, int]:
+    """Answers per corpus the weights at ``source`` were trained on (their first ones).
+
+    A round's final checkpoint: the counts of its ``round.json``. The shipped head: those of the round
+    that shipped it (none for the head of the first recipe, whose corpora count as new).
+    """
+    if source != EXPORT:
+        return json.loads((source.parent / "round.json").read_text())["counts"]
+    digest = shipped_digest()
+    shipping = [entry for entry in _rounds() if entry.get("shipped_after") == digest]
+    return dict(shipping[-1]["answers"]) if shipping else {}
 
 
 def stage_cache(
     workdir: Path, target, tokenizer, parts: dict[str, TokenDataset], layer_ids: list[int], max_minutes: float | None
 ):
-    """Each corpus's feature cache (``<workdir>/features/<corpus>-<answers>``), built or resumed within the budget.
+    """Each part's feature cache (``<workdir>/features/<part>-<documents>``), built or resumed within the budget.
 
-    One cache per corpus and answer count: a slice answered further gets a new one, the others are
-    kept from round to round. The target runs with packed linears (1.4x faster here); the states are
-    stored in bfloat16 as always.
+    One cache per part (:func:`corpus_documents`) and document count, kept while the folder lasts.
+    The target runs with packed linears (1.4x faster here); the states are stored in bfloat16 as
+    always.
 
     Returns:
         The folders in the order of ``parts``, or None when the budget ran out first.
@@ -169,7 +203,7 @@ def stage_cache(
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     folders = []
     for name, dataset in parts.items():
-        folder = workdir / "features" / f"{name.removesuffix('.jsonl')}-{len(dataset)}"
+        folder = workdir / "features" / f"{name}-{len(dataset)}"
         left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
         with packed_linears(target):
             result = build_feature_cache(folder, target, tokenizer, dataset, layer_ids, max_minutes=left)
@@ -228,14 +262,23 @@ def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> 
     folder = round_folder(workdir)
     folder.mkdir(parents=True, exist_ok=True)
     plan = folder / "round.json"
-    parts, counts = corpus_documents(json.loads(plan.read_text())["counts"] if plan.exists() else None)
     if not plan.exists():
         source = warm_start_source(workdir)
-        record = {"shipped": shipped_digest(), "counts": counts, "settings": ROUND, "warm_start": str(source)}
+        trained = trained_counts(source)
+        _, counts = corpus_documents(None, trained)
+        record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": REPLAY_STRIDE,
+                  "settings": ROUND, "warm_start": str(source)}  # fmt: skip
         save_ablation_start(source, folder / ABLATION_START)
         write_json_atomically(plan, record)
+    parts = round_documents(json.loads(plan.read_text()))
     heads = (EXPORT, Path(json.loads(plan.read_text())["warm_start"]))
     return _train(workdir, folder, parts, heads, target, tokenizer, deadline)
+
+
+def round_documents(plan: dict) -> dict[str, TokenDataset]:
+    """The training documents by part of a round's plan (``round.json``, or its entry in ``rounds.json``)."""
+    counts = plan["counts"] if "counts" in plan else plan["answers"]
+    return corpus_documents(counts, plan.get("trained", {}), plan.get("replay_stride", REPLAY_STRIDE))[0]
 
 
 def ablation_of(head: DSparkHead) -> DSparkHead:
@@ -322,7 +365,7 @@ def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) 
     output = folder / "dflash" / "eval.json"
     if not output.exists():
         start = folder / ABLATION_START
-        parts, _ = corpus_documents(entry["answers"])
+        parts = round_documents(entry)
         checkpoint = _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, deadline)
         if checkpoint is None:
             return None
@@ -431,6 +474,8 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
         "steps": ROUND["num_steps"],
         "settings": plan["settings"],
         "answers": plan["counts"],
+        "trained": plan.get("trained", {}),
+        "replay_stride": plan.get("replay_stride", REPLAY_STRIDE),
         "online_tau_before": {domain: report["tau"] for domain, report in evaluation["shipped"].items()},
         "online_tau_after": {domain: report["tau"] for domain, report in evaluation["round"].items()},
         "mean_gain": after / before - 1,
@@ -479,8 +524,9 @@ def write_card(destination: Path) -> None:
         f"{ROUND['batch_size']} documents x {ROUND['num_anchors']} blocks per step, "
         "warmup and cosine decay) on the target's own answers to the "
         "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
-        "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style; the answers per "
-        "corpus are in rounds.json), and shipped only when the mean online greedy tau of the three "
+        "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
+        f"the answers its start had not seen and every {REPLAY_STRIDE}th of those it had (per corpus in "
+        "rounds.json), and shipped only when the mean online greedy tau of the three "
         f"domains rose by at least {MIN_GAIN:.0%}. Tau: greedy, block 7, batch 1, whole block verified, on all "
         f"evaluation prompts of the recipe (21 code, 40 math, 80 chat, never trained on), {EVAL_NEW_TOKENS} new "
         "tokens, from one teacher-forced pass over the target's greedy answers (equal to decoding's up to argmax "
@@ -491,14 +537,18 @@ def write_card(destination: Path) -> None:
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     lines = [
         "\n## Rounds\n",
-        "| round | answers trained from | steps | tau before, code / math / chat | after | mean gain | shipped |",
-        "|---:|---:|---:|---|---|---:|---|",
+        "| round | new answers | replayed | steps | tau before, code / math / chat | after | mean gain | shipped |",
+        "|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for number, entry in enumerate(rounds, start=1):
         before, after = _taus(entry["online_tau_before"]), _taus(entry["online_tau_after"])
         shipped = "yes" if entry["promoted"] else "no"
+        trained, stride = entry.get("trained", {}), entry.get("replay_stride", REPLAY_STRIDE)
+        earlier = {name: min(trained.get(name, 0), count) for name, count in entry["answers"].items()}
+        new = sum(count - earlier[name] for name, count in entry["answers"].items())
+        replayed = sum(-(-count // stride) for count in earlier.values())
         lines.append(
-            f"| {number} | {sum(entry['answers'].values()):,} | {entry['steps']:,} | {before} | {after} "
+            f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} | {before} | {after} "
             f"| {entry['mean_gain']:+.1%} | {shipped} |"
         )
     text = str(card) + "\n".join(lines) + "\n"

@@ -297,22 +297,71 @@ def test_an_ablation_on_a_new_machine_starts_from_the_committed_head_of_the_roun
 
 
 def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
-    """``round.json`` pins each corpus's answer count: later answers stay out, missing ones stop the round."""
+    """``round.json`` pins each corpus's answer count: later answers stay out, missing ones stop the round.
+
+    Answers the round's start was trained on are replayed one in ``replay_stride``; the rest are new.
+    """
     improve = _improve(monkeypatch)
     monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
     for corpus in improve.recipe.CORPORA.values():
         improve.recipe.restore_corpus(corpus)
     parts, counts = improve.corpus_documents()
     assert counts["smollm2-135m-instruct-mixed.jsonl"] == 4401 and "reasoning_gym-000.jsonl" in counts
-    assert list(parts) == list(counts)
+    assert list(parts) == [f"{name.removesuffix('.jsonl')}-0-{count}" for name, count in counts.items()]
     pinned = {name: count // 2 for name, count in counts.items()}
     halves, same = improve.corpus_documents(pinned)
     assert same == pinned
-    for name, part in parts.items():  # every 64th answer held out or kept for calibration, the rest trained on
-        assert 0.45 * len(part) < len(halves[name]) < 0.55 * len(part)
-        assert halves[name].sequences == part.sequences[: len(halves[name])]
+    for part, half in zip(parts.values(), halves.values(), strict=True):
+        # every 64th answer held out or kept for calibration, the rest trained on
+        assert 0.45 * len(part) < len(half) < 0.55 * len(part)
+        assert half.sequences == part.sequences[: len(half)]
     with pytest.raises(SystemExit, match="lacks"):
         improve.corpus_documents({**pinned, "stdlib-000.jsonl": 10**6})
+
+    trained = {"smollm2-135m-instruct-mixed.jsonl": 4000, "stdlib-000.jsonl": 1000}
+    rounds, same = improve.corpus_documents(pinned | {"stdlib-000.jsonl": 2000}, trained, replay_stride=8)
+    records = {name: improve.recipe._records(corpus) for corpus in improve.recipe.CORPORA.values()
+               for name in [corpus.file]} | improve.grow_corpus.answered_slices()  # fmt: skip
+
+    def split(chosen):
+        return tuple(tuple(record["input_ids"]) for record in improve._train_part(chosen))
+
+    recipe_half = pinned["smollm2-135m-instruct-mixed.jsonl"]  # below its trained count: all replayed
+    assert rounds[f"smollm2-135m-instruct-mixed-replay8-{recipe_half}"].sequences == split(
+        records["smollm2-135m-instruct-mixed.jsonl"][:recipe_half:8]
+    )
+    assert f"smollm2-135m-instruct-mixed-{recipe_half}-{recipe_half}" not in rounds  # nothing new
+    assert rounds["stdlib-000-replay8-1000"].sequences == split(records["stdlib-000.jsonl"][:1000:8])
+    assert rounds["stdlib-000-1000-2000"].sequences == split(records["stdlib-000.jsonl"][1000:2000])
+    untrained = "reasoning_gym-000.jsonl"
+    assert (
+        rounds[f"reasoning_gym-000-0-{pinned[untrained]}"].sequences
+        == halves[f"reasoning_gym-000-0-{pinned[untrained]}"].sequences
+    )
+    assert not any(name.startswith("reasoning_gym-000-replay") for name in rounds)  # nothing trained before
+
+
+def test_a_round_starts_past_the_answers_its_start_was_trained_on(tmp_path, monkeypatch):
+    """The shipped head was trained up to the counts of the round that shipped it; a round's weights up to its own."""
+    improve = _improve(monkeypatch)
+    shipped = tmp_path / "shipped"
+    shutil.copytree(HEAD, shipped)
+    monkeypatch.setattr(improve, "EXPORT", shipped)
+    monkeypatch.setattr(improve, "ROUNDS", shipped / "rounds.json")
+    (shipped / "rounds.json").write_text(json.dumps([]))
+    assert improve.trained_counts(shipped) == {}  # the first recipe's head: every answer is new
+    answers = {"stdlib-000.jsonl": 2000, "magpie-000.jsonl": 1359}
+    entries = [
+        {"shipped_before": "0123456789ab", "answers": {"stdlib-000.jsonl": 5}, "promoted": False},
+        {"shipped_before": "0123456789ab", "answers": answers, "promoted": True,
+         "shipped_after": improve.shipped_digest()},
+    ]  # fmt: skip
+    (shipped / "rounds.json").write_text(json.dumps(entries))
+    assert improve.trained_counts(shipped) == answers
+    checkpoint = tmp_path / "round" / "checkpoint-0004000"
+    checkpoint.mkdir(parents=True)
+    (checkpoint.parent / "round.json").write_text(json.dumps({"counts": {"stdlib-000.jsonl": 7}}))
+    assert improve.trained_counts(checkpoint) == {"stdlib-000.jsonl": 7}
 
 
 def test_corpus_workers_never_share_a_slice(tmp_path, monkeypatch):
