@@ -4,7 +4,10 @@ Runs `rejection_sample` on random processed distributions for every (B, K, V) in
 records the median latency of each backend available on the device: the PyTorch reference
 everywhere, the Triton kernel on CUDA. Draws come from Philox (the production path, noise made on
 the fly) and from explicit draws (the kernel alone). Input validation is off, as in the
-generation loop. Results go to `benchmarks/results/rejection_<device>.csv`, headed by hardware,
+generation loop. On CUDA, the GPU's own share is recorded beside the wall clock: the summed
+durations of the kernels one call launches (``device_microseconds``, from the profiler) and their
+number (``kernels``), so that host-side cost (argument handling, allocations, launches) shows as
+the difference. Results go to `benchmarks/results/rejection_<device>.csv`, headed by hardware,
 versions and commit.
 
     python benchmarks/bench_rejection.py                 # CPU: the reference
@@ -54,6 +57,19 @@ def median_seconds(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def device_time(fn, repeats: int) -> tuple[float, float]:
+    """CUDA only: the summed kernel durations of one call of ``fn`` in seconds, and its kernels per call."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(event.time_range.elapsed_us() for event in kernels) * 1e-6 / repeats, len(kernels) / repeats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
@@ -81,20 +97,24 @@ def main() -> None:
                 ("philox", dict(seed=1, positions=100)),
                 ("explicit", dict(uniforms=uniforms, noise=noise)),
             ):
-                seconds = median_seconds(
-                    lambda: rejection_sample(*inputs, **draws, backend=backend, validate=False),  # noqa: B023
-                    device,
-                    args.repeats,
-                )
+
+                def call():
+                    return rejection_sample(*inputs, **draws, backend=backend, validate=False)  # noqa: B023
+
+                seconds = median_seconds(call, device, args.repeats)
+                on_device, kernels = device_time(call, args.repeats) if device.type == "cuda" else (None, None)
                 rows.append(dict(batch=batch_size, block=block_size, vocab=vocab_size, backend=backend, draws=mode,
-                                 microseconds=round(seconds * 1e6, 1)))  # fmt: skip
+                                 microseconds=round(seconds * 1e6, 1),
+                                 device_microseconds="" if on_device is None else round(on_device * 1e6, 1),
+                                 kernels="" if kernels is None else round(kernels, 1)))  # fmt: skip
 
     threads = f"{torch.get_num_threads()} torch threads" if device.type == "cpu" else "CUDA"
     write_results(output, rows, device, [f"{threads}, median of {args.repeats} calls, validation off"])
-    print(f"{'B':>4} {'K':>4} {'V':>8} {'backend':>8} {'draws':>9} {'latency (us)':>14}")
+    header = ("B", 4), ("K", 4), ("V", 8), ("backend", 8), ("draws", 9), ("latency (us)", 14), ("on device", 10)
+    print(" ".join(f"{name:>{width}}" for name, width in header) + f" {'kernels':>8}")
     for row in rows:
         print(f"{row['batch']:>4} {row['block']:>4} {row['vocab']:>8} {row['backend']:>8} {row['draws']:>9} "
-              f"{row['microseconds']:>14.1f}")  # fmt: skip
+              f"{row['microseconds']:>14.1f} {row['device_microseconds']:>10} {row['kernels']:>8}")  # fmt: skip
 
 
 if __name__ == "__main__":

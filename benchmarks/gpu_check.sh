@@ -3,8 +3,8 @@
 #
 # 1. the CUDA tests: the Triton rejection kernel against the PyTorch reference, compiled for the
 #    device (not the interpreter), and the rest of the verification tests on CUDA tensors;
-# 2. benchmarks/bench_rejection.py --device cuda: reference and Triton latencies (the goal: under
-#    50 us for B=8, K=8, V=152k);
+# 2. benchmarks/bench_rejection.py --device cuda: reference and Triton latencies, wall clock and the
+#    kernels' own time (the goal: under 50 us for B=8, K=8, V=152k; 2026-12-04: 137-318 us wall);
 # 3. benchmarks/bench_round.py on a random Qwen3-0.6B-shaped target in bfloat16 with an
 #    always-right drafter: the round's phases in decode steps, host-device synchronisations per
 #    round and kernel launches per draft slot.
