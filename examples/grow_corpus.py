@@ -211,11 +211,16 @@ def _worker(prompts_path: Path, max_minutes: float | None, threads: int) -> bool
 
 
 def _run_workers(prompts_path: Path, max_minutes: float | None, workers: int) -> bool:
-    """``workers`` processes of one thread each (``spawn``: no forked torch state); True if all finished."""
+    """``workers`` processes of one thread each (``spawn``: no forked torch state); True if all finished.
+
+    Every worker is waited for before the pool closes (closing terminates the workers): one that
+    stops at the budget must not cut short another still writing and archiving its slice.
+    """
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers) as pool:
         results = [pool.apply_async(_worker, (prompts_path, max_minutes, 1)) for _ in range(workers)]
-        return all(result.get() for result in results)
+        finished = [result.get() for result in results]
+    return all(finished)
 
 
 def answered_slices() -> dict[str, list[dict]]:
