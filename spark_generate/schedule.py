@@ -588,17 +588,17 @@ class AdaptiveRun:
         """
         self.round_costs = self.cost_table.at_context(context_length)
         head_turn = head_slots > 0 and self.should_draft()
-        if not head_turn and (
-            suffix_confidence_logits is None or not bool(_filled_slots(suffix_confidence_logits[:, :1].cpu()).any())
-        ):  # nothing to choose from: every row steps plainly (what the plans below come to)
+        matched = torch.zeros(num_rows, dtype=torch.bool)  # rows with a suffix draft
+        if suffix_confidence_logits is not None:
+            matched = _filled_slots(suffix_confidence_logits[:, :1].cpu())[:, 0]
+        if not head_turn and not bool(matched.any()):
+            # nothing to choose from: every row steps plainly (what the plans below come to)
             self.rounds_without_head += 1
             return torch.full((num_rows,), int(DraftSource.PLAIN), dtype=torch.int64)
         width = head_slots if head_turn else 0
         plain = torch.ones(num_rows, 1, dtype=torch.float64)
         suffix_tokens = head_tokens = plain
-        matched = torch.zeros(num_rows, dtype=torch.bool)  # rows with a suffix draft
         if suffix_confidence_logits is not None:
-            matched = _filled_slots(suffix_confidence_logits.cpu())[:, 0]
             survival = self.suffix.survival(confidences(suffix_confidence_logits).cpu())
             suffix_tokens, width = _tokens_by_width(survival), max(width, survival.shape[1])
         if head_turn:

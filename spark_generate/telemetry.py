@@ -206,7 +206,7 @@ def record_step(
         stats._first_step_start = start
     stats.decode_seconds = now - stats._first_step_start
     stats.num_rounds[rows] += 1
-    if bool(plain.all()) and not bool(num_verified.any()):  # a plain step of every row: nothing drafted
+    if bool(plain.all()):  # a plain step of every row: nothing drafted
         stats.num_plain_steps[rows] += 1
         stats.plain_seconds += now - start
         stats.rounds_by_source[DraftSource.PLAIN] += len(rows)

@@ -180,14 +180,20 @@ def _improve(monkeypatch):
     return _example("improve_smollm2_head")
 
 
-def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_path, monkeypatch):
-    """The warm-start chain's gate: below MIN_GAIN the head stays, and either way the round is recorded."""
-    improve = _improve(monkeypatch)
+def _shipped_copy(improve, tmp_path, monkeypatch) -> Path:
+    """A copy of the shipped head, with no rounds recorded, that ``improve`` takes for the shipped one."""
     shipped = tmp_path / "shipped"
     shutil.copytree(HEAD, shipped)
     monkeypatch.setattr(improve, "EXPORT", shipped)
     monkeypatch.setattr(improve, "ROUNDS", shipped / "rounds.json")
     (shipped / "rounds.json").unlink(missing_ok=True)
+    return shipped
+
+
+def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_path, monkeypatch):
+    """The warm-start chain's gate: below MIN_GAIN the head stays, and either way the round is recorded."""
+    improve = _improve(monkeypatch)
+    shipped = _shipped_copy(improve, tmp_path, monkeypatch)
     before = {path.name: path.read_bytes() for path in shipped.iterdir() if path.is_file()}
     counts = {"smollm2-135m-instruct-mixed.jsonl": 4401, "stdlib-000.jsonl": 768}
 
@@ -344,11 +350,7 @@ def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
 def test_a_round_starts_past_the_answers_its_start_was_trained_on(tmp_path, monkeypatch):
     """The shipped head was trained up to the counts of the round that shipped it; a round's weights up to its own."""
     improve = _improve(monkeypatch)
-    shipped = tmp_path / "shipped"
-    shutil.copytree(HEAD, shipped)
-    monkeypatch.setattr(improve, "EXPORT", shipped)
-    monkeypatch.setattr(improve, "ROUNDS", shipped / "rounds.json")
-    (shipped / "rounds.json").write_text(json.dumps([]))
+    shipped = _shipped_copy(improve, tmp_path, monkeypatch)
     assert improve.trained_counts(shipped) == {}  # the first recipe's head: every answer is new
     answers = {"stdlib-000.jsonl": 2000, "magpie-000.jsonl": 1359}
     entries = [
