@@ -44,6 +44,18 @@ not help:
     python examples/improve_smollm2_head.py --stage eval         # only once the round's training is done
     python examples/improve_smollm2_head.py --stage ablation --max-minutes 80   # resumes too
     python examples/improve_smollm2_head.py --stage card         # after benchmarks/bench_generate.py
+
+**A round in one lease of an accelerator** (``--lease-minutes``, with ``--device cuda``): a GPU lent
+for minutes trains faster than these 2 cores do in a session, but its machine goes back with
+everything on it, so such a round must finish within the lease and checkpoints cannot carry it
+further. It therefore runs the target in process (a forward per batch costs milliseconds there; a
+feature cache would only cost disk), trains on every answer of the corpus (``LEASE_REPLAY_STRIDE``),
+with the larger batches of ``LEASE_ROUND``, for as many steps as fit: the first ``PROBE_STEPS``
+steps after ``PROBE_WARMUP`` are timed on a scratch copy, and ``num_steps`` (recorded in the plan)
+is what ``LEASE_MARGIN`` of the lease left then allows, so the learning rate decays to zero in
+time. ``examples/lease_round.sh`` carries the target and wheels to the machine, runs ``--stage
+train`` there and brings the round's plan and final head back into this machine's workdir; the
+round is then evaluated and promoted here like any other (``--stage eval``).
 """
 
 from __future__ import annotations
@@ -69,7 +81,7 @@ from spark_generate.profiling import cache_folder
 from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_teacher_forced_decoding, plot_history
-from spark_generate.training.initialization import feature_scale_from_cache
+from spark_generate.training.initialization import feature_scale_from_cache, feature_scale_from_target
 from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, answer_rows, write_json_atomically
 
@@ -91,7 +103,24 @@ EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the ro
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
 REPLAY_STRIDE = 8  # a round replays every 8th answer its start was trained on, beside the new ones
+# A round in one lease of an accelerator: 4x the documents per step (a larger batch costs little on a GPU), the
+# DeepSpec recipe's peak learning rate for it, bfloat16 autocast, no compiled loss (its compilation eats the lease).
+LEASE_ROUND = {
+    "batch_size": 32,
+    "num_anchors": 32,
+    "learning_rate": 6e-4,
+    "mixed_precision": "bf16",
+    "save_every": 1000,
+    "save_total_limit": 1,
+    "compile_loss": False,
+}
+LEASE_REPLAY_STRIDE = 1  # compute is plentiful there: every answer the start saw joins again
+PROBE_WARMUP = 3  # steps before the timed ones (CUDA's first launches, allocator growth)
+PROBE_STEPS = 12  # timed steps that size a lease round
+LEASE_MARGIN = 0.85  # share of the lease left after the probe that the fitted steps may take
 EXPORT = recipe.EXPORT
+# Plans name the shipped head relative to the repository: a round planned on a lent machine reads the same here.
+REPOSITORY = Path(__file__).resolve().parents[1]
 ROUNDS = EXPORT / "rounds.json"  # every round, promoted or not
 
 
@@ -123,8 +152,16 @@ def warm_start_source(workdir: Path) -> Path:
     lost them, from the shipped head again).
     """
     number = round_number()
-    previous = recipe._latest_checkpoint(round_folder(workdir, number - 1)) if number else None
-    return previous if recipe._finished(previous, ROUND) else EXPORT
+    if not number:
+        return EXPORT
+    folder = round_folder(workdir, number - 1)
+    previous = recipe._latest_checkpoint(folder)
+    return previous if previous is not None and recipe._finished(previous, plan_of(folder)["settings"]) else EXPORT
+
+
+def plan_of(folder: Path) -> dict:
+    """A round's plan (``round.json``): its counts, start, settings and where its target's states come from."""
+    return json.loads((folder / "round.json").read_text())
 
 
 def _train_part(records: list[dict]) -> list[dict]:
@@ -217,11 +254,29 @@ def _minutes_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
 
 
+def _trainer(
+    folder: Path, train: TokenDataset, configuration: Path, target, settings: dict, cache: FeatureCache | None
+) -> Trainer:
+    """A trainer of ``configuration``'s head on ``train``, its ``fc`` scaled by the target's features there.
+
+    The scale is measured on the first ``SCALE_DOCUMENTS`` documents, read from ``cache`` or (None)
+    from the target run on them.
+    """
+    head = DSparkHead.from_pretrained(configuration).float()
+    documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
+    if cache is None:
+        scale = feature_scale_from_target(target, recipe.layer_ids(target), train, documents)
+    else:
+        scale = feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids))
+    head.scale_target_features(scale)
+    return Trainer(head, target, train, TrainingConfig(str(folder), **settings), feature_cache=cache)
+
+
 def _train(
     workdir: Path, folder: Path, parts: dict[str, TokenDataset], heads: tuple[Path, Path], target, tokenizer,
-    deadline: float | None,
+    plan: dict, deadline: float | None,
 ) -> Path | None:  # fmt: skip
-    """Caches and trains (or resumes) one run of ``ROUND`` in ``folder``; returns its final checkpoint once done.
+    """Trains (or resumes) one run of a plan's settings in ``folder``; returns its final checkpoint once done.
 
     Args:
         workdir: The cache folder of the chain (feature caches under ``features/``).
@@ -231,48 +286,91 @@ def _train(
             (a saved head or a checkpoint of the same configuration).
         target: The target model.
         tokenizer: Its tokenizer.
+        plan: The round's plan: its ``settings`` (:class:`TrainingConfig` but ``output_dir``), and
+            ``target_in_process`` (the target runs on every batch; otherwise its states are cached).
         deadline: ``time.monotonic()`` by which to stop (at a checkpoint); None: no budget.
     """
+    settings = plan["settings"]
     resume = recipe._latest_checkpoint(folder)
-    if recipe._finished(resume, ROUND):
+    if resume is not None and recipe._finished(resume, settings):
         return resume
-    layer_ids = recipe.layer_ids(target)
-    folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, _minutes_left(deadline))
-    if folders is None:
-        return None
     train = TokenDataset.concatenate(list(parts.values()))
-    cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
-                              layer_ids=layer_ids, verify_checksums=False)  # fmt: skip
-    configuration, warm_start = heads
-    head = DSparkHead.from_pretrained(configuration).float()
-    documents = range(min(recipe.SCALE_DOCUMENTS, len(train)))
-    head.scale_target_features(feature_scale_from_cache(cache, documents, len(head.config.target_layer_ids)))
-    trainer = Trainer(head, target, train, TrainingConfig(str(folder), **ROUND), feature_cache=cache)
-    start = {"resume_from": resume} if resume is not None else {"warm_start_from": warm_start}
+    cache = None
+    if not plan.get("target_in_process", False):
+        layer_ids = recipe.layer_ids(target)
+        folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, _minutes_left(deadline))
+        if folders is None:
+            return None
+        cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
+                                  layer_ids=layer_ids, verify_checksums=False)  # fmt: skip
+    trainer = _trainer(folder, train, heads[0], target, settings, cache)
+    start = {"resume_from": resume} if resume is not None else {"warm_start_from": heads[1]}
     left = _minutes_left(deadline)
     if left == 0:
         return None
     checkpoint = trainer.train(max_minutes=left, **start).checkpoint
-    return checkpoint if recipe._finished(checkpoint, ROUND) else None
+    return checkpoint if recipe._finished(checkpoint, settings) else None
 
 
-def stage_train(workdir: Path, target, tokenizer, max_minutes: float | None) -> Path | None:
-    """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done."""
+def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], target, deadline: float) -> int:
+    """How many steps of ``LEASE_ROUND`` fit before ``deadline``, timed on a scratch run of the same documents.
+
+    ``PROBE_WARMUP`` steps run first; the next ``PROBE_STEPS`` (with the resume and the save around
+    them, so a little pessimistic) give the time per step; ``LEASE_MARGIN`` of the time left then is
+    planned for steps, the rest keeps the run's own setup, a slower stretch and its save inside the lease.
+
+    Raises:
+        SystemExit: When fewer than ``PROBE_STEPS`` steps would fit.
+    """
+    train = TokenDataset.concatenate(list(parts.values()))
+    probe = {**LEASE_ROUND, "num_steps": PROBE_WARMUP + PROBE_STEPS, "save_every": 0, "progress": False}
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = _trainer(Path(scratch), train, heads[0], target, probe, None)
+        warm = trainer.train(stop_after=PROBE_WARMUP, warm_start_from=heads[1]).checkpoint
+        start = time.monotonic()
+        trainer.train(resume_from=warm)
+        seconds = (time.monotonic() - start) / PROBE_STEPS
+    steps = int(LEASE_MARGIN * (deadline - time.monotonic()) / seconds)
+    print(f"lease round: {seconds:.3f} s per step of {LEASE_ROUND['batch_size']} documents; {steps} steps fit")
+    if steps < PROBE_STEPS:
+        raise SystemExit(f"only {steps} steps fit in the lease ({seconds:.2f} s each): give --lease-minutes more.")
+    return steps
+
+
+def stage_train(
+    workdir: Path, target, tokenizer, max_minutes: float | None, lease_deadline: float | None = None
+) -> Path | None:
+    """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done.
+
+    With ``lease_deadline`` (``time.monotonic()`` when the accelerator's lease ends) a new round is
+    planned to finish by then: the target in process, ``LEASE_ROUND`` for :func:`fitted_steps` steps.
+    """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     folder = round_folder(workdir)
     folder.mkdir(parents=True, exist_ok=True)
-    plan = folder / "round.json"
-    if not plan.exists():
+    if not (folder / "round.json").exists():
         source = warm_start_source(workdir)
         trained = trained_counts(source)
-        _, counts = corpus_documents(None, trained)
-        record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": REPLAY_STRIDE,
-                  "settings": ROUND, "warm_start": str(source)}  # fmt: skip
+        stride = REPLAY_STRIDE if lease_deadline is None else LEASE_REPLAY_STRIDE
+        parts, counts = corpus_documents(None, trained, stride)
+        if lease_deadline is None:
+            settings = ROUND
+        else:
+            settings = {**LEASE_ROUND, "num_steps": fitted_steps(parts, (EXPORT, source), target, lease_deadline)}
+        start = source.relative_to(REPOSITORY) if source.is_relative_to(REPOSITORY) else source
+        record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": stride,
+                  "settings": settings, "target_in_process": lease_deadline is not None,
+                  "warm_start": str(start)}  # fmt: skip
         save_ablation_start(source, folder / ABLATION_START)
-        write_json_atomically(plan, record)
-    parts = round_documents(json.loads(plan.read_text()))
-    heads = (EXPORT, Path(json.loads(plan.read_text())["warm_start"]))
-    return _train(workdir, folder, parts, heads, target, tokenizer, deadline)
+        write_json_atomically(folder / "round.json", record)
+    elif lease_deadline is not None and not plan_of(folder).get("target_in_process", False):
+        raise SystemExit(f"{folder} is a round planned for this machine's cores: continue it without --lease-minutes.")
+    plan = plan_of(folder)
+    parts = round_documents(plan)
+    heads = (EXPORT, REPOSITORY / plan["warm_start"])
+    if lease_deadline is not None:
+        deadline = lease_deadline if deadline is None else min(deadline, lease_deadline)
+    return _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
 
 
 def round_documents(plan: dict) -> dict[str, TokenDataset]:
@@ -366,7 +464,7 @@ def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) 
     if not output.exists():
         start = folder / ABLATION_START
         parts = round_documents(entry)
-        checkpoint = _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, deadline)
+        checkpoint = _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, entry, deadline)
         if checkpoint is None:
             return None
         head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
@@ -466,13 +564,14 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
     """
     before, after = mean_tau(evaluation["shipped"]), mean_tau(evaluation["round"])
     promoted = after >= (1 + MIN_GAIN) * before
-    plan = json.loads((round_folder(workdir) / "round.json").read_text())
+    plan, number = plan_of(round_folder(workdir)), round_number()
     record = {
         "shipped_before": plan["shipped"],
-        "round": round_number(),
-        "warm_start": "the shipped head" if Path(plan["warm_start"]) == EXPORT else f"round {round_number() - 1}",
-        "steps": ROUND["num_steps"],
+        "round": number,
+        "warm_start": "the shipped head" if REPOSITORY / plan["warm_start"] == EXPORT else f"round {number - 1}",
+        "steps": plan["settings"]["num_steps"],
         "settings": plan["settings"],
+        "target_in_process": plan.get("target_in_process", False),
         "answers": plan["counts"],
         "trained": plan.get("trained", {}),
         "replay_stride": plan.get("replay_stride", REPLAY_STRIDE),
@@ -519,10 +618,11 @@ def write_card(destination: Path) -> None:
         "A head first trained in stages by `examples/train_smollm2_head.py` (spark_generate; its provenance is "
         f"the innermost `previous` in provenance.json), then trained further in {len(promoted)} shipped round(s) of "
         "`examples/improve_smollm2_head.py`: each warm-started from the shipped head (or from a round before it "
-        "that fell short), trained "
-        f"{ROUND['num_steps']:,} steps (peak learning rate {ROUND['learning_rate']:g}, "
-        f"{ROUND['batch_size']} documents x {ROUND['num_anchors']} blocks per step, "
-        "warmup and cosine decay) on the target's own answers to the "
+        "that fell short), trained for the steps of the Rounds table below (on these 2 CPU cores: "
+        f"{ROUND['num_steps']:,} steps of {ROUND['batch_size']} documents x {ROUND['num_anchors']} blocks, peak "
+        f"learning rate {ROUND['learning_rate']:g}; in one lease of a GPU: {LEASE_ROUND['batch_size']} documents "
+        f"x {LEASE_ROUND['num_anchors']} blocks, peak learning rate {LEASE_ROUND['learning_rate']:g}, as many "
+        "steps as fitted the lease; warmup and cosine decay) on the target's own answers to the "
         "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
         "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
         f"the answers its start had not seen and every {REPLAY_STRIDE}th of those it had (per corpus in "
@@ -537,7 +637,8 @@ def write_card(destination: Path) -> None:
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     lines = [
         "\n## Rounds\n",
-        "| round | new answers | replayed | steps | tau before, code / math / chat | after | mean gain | shipped |",
+        "| round | new answers | replayed | steps x documents | tau before, code / math / chat | after | mean gain "
+        "| shipped |",
         "|---:|---:|---:|---:|---|---|---:|---|",
     ]
     for number, entry in enumerate(rounds, start=1):
@@ -547,8 +648,9 @@ def write_card(destination: Path) -> None:
         earlier = {name: min(trained.get(name, 0), count) for name, count in entry["answers"].items()}
         new = sum(count - earlier[name] for name, count in entry["answers"].items())
         replayed = sum(-(-count // stride) for count in earlier.values())
+        batch = entry.get("settings", ROUND)["batch_size"]
         lines.append(
-            f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} | {before} | {after} "
+            f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} x {batch} | {before} | {after} "
             f"| {entry['mean_gain']:+.1%} | {shipped} |"
         )
     text = str(card) + "\n".join(lines) + "\n"
@@ -589,14 +691,21 @@ def main() -> None:
     parser.add_argument("--stage", default="all", choices=["all", "train", "eval", "ablation", "card"])
     parser.add_argument("--max-minutes", type=float, default=None, help="budget of the training; rerun to continue")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="where the target and the head train (default: cpu)")
+    parser.add_argument("--lease-minutes", type=float, default=None,
+                        help="plan a new round to finish within this many minutes from now, the target in process "
+                             "(a lent accelerator, whose machine keeps nothing; examples/lease_round.sh)")  # fmt: skip
     args = parser.parse_args()
+    lease_deadline = None if args.lease_minutes is None else time.monotonic() + 60 * args.lease_minutes
+    if args.lease_minutes is not None and args.stage != "train":
+        parser.error("--lease-minutes goes with --stage train: evaluate the round on the machine that keeps it")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
         write_card(EXPORT)
         return
     target, tokenizer = zoo.load(recipe.TARGET)
-    target.requires_grad_(False)
+    target.requires_grad_(False).to(args.device)
     for corpus in recipe.CORPORA.values():
         recipe.restore_corpus(corpus)
     start = time.monotonic()
@@ -606,10 +715,12 @@ def main() -> None:
             raise SystemExit("the ablation's training stopped at its budget: run the same command again to continue.")
         print("DFlash ablation, online tau: " + " / ".join(f"{d} {r['tau']:.2f}" for d, r in reports.items()))
         return
-    checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes) if args.stage != "eval" else None
-    if args.stage == "eval":
-        checkpoint = recipe._latest_checkpoint(round_folder(args.workdir))
-        if not recipe._finished(checkpoint, ROUND):
+    if args.stage != "eval":
+        checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline)
+    else:
+        folder = round_folder(args.workdir)
+        checkpoint = recipe._latest_checkpoint(folder)
+        if checkpoint is None or not recipe._finished(checkpoint, plan_of(folder)["settings"]):
             raise SystemExit(f"{round_folder(args.workdir)}: the round's training is not done; run --stage train.")
     if checkpoint is None:
         raise SystemExit(
