@@ -116,8 +116,8 @@ LEASE_ROUND = {
 }
 LEASE_REPLAY_STRIDE = 1  # compute is plentiful there: every answer the start saw joins again
 PROBE_WARMUP = 3  # steps before the timed ones (CUDA's first launches, allocator growth)
-PROBE_STEPS = 12  # timed steps that size a lease round
-LEASE_MARGIN = 0.85  # share of the lease left after the probe that the fitted steps may take
+PROBE_STEPS = 24  # timed steps that size a lease round
+LEASE_MARGIN = 0.8  # share of the lease left after the probe that the fitted steps may take
 EXPORT = recipe.EXPORT
 # Plans name the shipped head relative to the repository: a round planned on a lent machine reads the same here.
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -315,21 +315,28 @@ def _train(
 def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], target, deadline: float) -> int:
     """How many steps of ``LEASE_ROUND`` fit before ``deadline``, timed on a scratch run of the same documents.
 
-    ``PROBE_WARMUP`` steps run first; the next ``PROBE_STEPS`` (with the resume and the save around
-    them, so a little pessimistic) give the time per step; ``LEASE_MARGIN`` of the time left then is
-    planned for steps, the rest keeps the run's own setup, a slower stretch and its save inside the lease.
+    ``PROBE_WARMUP`` steps run first; then two runs resume from there, one for ``PROBE_STEPS`` steps
+    and one for a quarter of them, and the difference of their times gives the time per step without
+    the resume and the save around every run (on an H200 they took 7 s, 40 steps' worth).
+    ``LEASE_MARGIN`` of the time left then is planned for steps; the rest keeps the run's own setup,
+    a slower stretch and its save inside the lease.
 
     Raises:
         SystemExit: When fewer than ``PROBE_STEPS`` steps would fit.
     """
     train = TokenDataset.concatenate(list(parts.values()))
-    probe = {**LEASE_ROUND, "num_steps": PROBE_WARMUP + PROBE_STEPS, "save_every": 0, "progress": False}
+    probe = {**LEASE_ROUND, "num_steps": PROBE_WARMUP + PROBE_STEPS, "save_every": 0, "save_total_limit": None,
+             "progress": False}  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         trainer = _trainer(Path(scratch), train, heads[0], target, probe, None)
         warm = trainer.train(stop_after=PROBE_WARMUP, warm_start_from=heads[1]).checkpoint
-        start = time.monotonic()
-        trainer.train(resume_from=warm)
-        seconds = (time.monotonic() - start) / PROBE_STEPS
+        durations = {}
+        for steps in (PROBE_STEPS // 4, PROBE_STEPS):
+            start = time.monotonic()
+            trainer.train(resume_from=warm, stop_after=PROBE_WARMUP + steps)
+            durations[steps] = time.monotonic() - start
+        (short, short_seconds), (long, long_seconds) = durations.items()
+        seconds = max(long_seconds - short_seconds, 1e-3) / (long - short)
     steps = int(LEASE_MARGIN * (deadline - time.monotonic()) / seconds)
     print(f"lease round: {seconds:.3f} s per step of {LEASE_ROUND['batch_size']} documents; {steps} steps fit")
     if steps < PROBE_STEPS:
