@@ -116,7 +116,7 @@ LEASE_ROUND = {
 }
 LEASE_REPLAY_STRIDE = 1  # compute is plentiful there: every answer the start saw joins again
 PROBE_WARMUP = 3  # steps before the timed ones (CUDA's first launches, allocator growth)
-PROBE_STEPS = 24  # timed steps that size a lease round
+PROBE_STEPS = 40  # timed steps that size a lease round
 LEASE_MARGIN = 0.8  # share of the lease left after the probe that the fitted steps may take
 EXPORT = recipe.EXPORT
 # Plans name the shipped head relative to the repository: a round planned on a lent machine reads the same here.
@@ -315,11 +315,14 @@ def _train(
 def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], target, deadline: float) -> int:
     """How many steps of ``LEASE_ROUND`` fit before ``deadline``, timed on a scratch run of the same documents.
 
-    ``PROBE_WARMUP`` steps run first; then two runs resume from there, one for ``PROBE_STEPS`` steps
-    and one for a quarter of them, and the difference of their times gives the time per step without
-    the resume and the save around every run (on an H200 they took 7 s, 40 steps' worth).
-    ``LEASE_MARGIN`` of the time left then is planned for steps; the rest keeps the run's own setup,
-    a slower stretch and its save inside the lease.
+    A run's first steps are slower than the rest: every batch of a longer document grows the
+    device's memory pool (on an H200 the first 100 steps of a round took 0.25 s each, its 789 steps
+    0.185 s on average). So ``PROBE_WARMUP`` steps on the longest documents of the corpus come first,
+    which grows the pool to its final size, then ``PROBE_WARMUP`` on the corpus; then two runs resume
+    from there, one for ``PROBE_STEPS`` steps and one for a quarter of them, and the difference of
+    their times gives the time per step without the resume and the save around every run (7 s on an
+    H200). ``LEASE_MARGIN`` of the time left then is planned for steps; the rest keeps the run's own
+    setup, a slower stretch and its save inside the lease.
 
     Raises:
         SystemExit: When fewer than ``PROBE_STEPS`` steps would fit.
@@ -327,8 +330,13 @@ def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], targe
     train = TokenDataset.concatenate(list(parts.values()))
     probe = {**LEASE_ROUND, "num_steps": PROBE_WARMUP + PROBE_STEPS, "save_every": 0, "save_total_limit": None,
              "progress": False}  # fmt: skip
+    order = sorted(range(len(train)), key=lambda index: len(train.sequences[index]))[-LEASE_ROUND["batch_size"] :]
+    longest = TokenDataset(tuple(train.sequences[index] for index in order),
+                           tuple(train.loss_masks[index] for index in order), "the longest documents")  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = _trainer(Path(scratch), train, heads[0], target, probe, None)
+        pool = _trainer(Path(scratch) / "longest", longest, heads[0], target, probe, None)
+        pool.train(stop_after=PROBE_WARMUP, warm_start_from=heads[1])
+        trainer = _trainer(Path(scratch) / "probe", train, heads[0], target, probe, None)
         warm = trainer.train(stop_after=PROBE_WARMUP, warm_start_from=heads[1]).checkpoint
         durations = {}
         for steps in (PROBE_STEPS // 4, PROBE_STEPS):
@@ -375,9 +383,14 @@ def stage_train(
     plan = plan_of(folder)
     parts = round_documents(plan)
     heads = (EXPORT, REPOSITORY / plan["warm_start"])
-    if lease_deadline is not None:
-        deadline = lease_deadline if deadline is None else min(deadline, lease_deadline)
-    return _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
+    if lease_deadline is None:
+        return _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
+    start = time.monotonic()
+    deadline = lease_deadline if deadline is None else min(deadline, lease_deadline)
+    checkpoint = _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
+    steps, seconds, left = plan["settings"]["num_steps"], time.monotonic() - start, lease_deadline - time.monotonic()
+    print(f"lease round: {steps} steps in {seconds:.0f} s with their setup; {left:.0f} s of the lease left")
+    return checkpoint
 
 
 def round_documents(plan: dict) -> dict[str, TokenDataset]:

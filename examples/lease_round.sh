@@ -5,7 +5,9 @@
 # nothing once it goes back, and a call carries at most 64 MiB with the working tree (33 MiB, most of
 # it the shipped head). So the target's GGUF file (94 MiB) travels in pieces over consecutive calls,
 # kept as ignored files on the warm machine (which goes back 30 s after a call: make them back to back),
-# and the last call trains: `--stage train --device cuda --lease-minutes M` plans a round that ends
+# with, when the last round fell short, that round's plan and final weights (the next round continues
+# them, as the chain does here), and the last call trains: `--stage train --device cuda --lease-minutes M`
+# plans a round that ends
 # within the lease (the target in process, every answer of the corpus, as many steps as fit) and the
 # round's plan and final head (without the optimizer's state) come back under $OUT in 15 MiB pieces.
 #
@@ -15,7 +17,8 @@
 #
 # then on the device, back to back (the command `prepare` prints them with the pieces' names):
 #
-#     run(command="bash examples/lease_round.sh receive", carry=[".lease/target.gguf.00"])    # .01, .02 alike
+#     run(command="bash examples/lease_round.sh receive", carry=[".lease/target.gguf.00"])    # .01, .02,
+#                                                          # and .lease/warm.tar.* alike
 #     run(command="bash examples/lease_round.sh train 8", carry=[".lease/target.gguf.03", ".lease/wheels"],
 #         timeout_s=600)
 #
@@ -40,9 +43,20 @@ prepare)
     pip download --quiet --no-deps --dest "$LEASE/wheels" --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 "${WHEELS[@]}"
     sha256sum "$source/$GGUF" | cut -d' ' -f1 >"$LEASE/target.gguf.sha256"
+    # The weights the next round starts from, when they are a round's that fell short (not the shipped head).
+    warm=$(cd examples && python -c "import improve_smollm2_head as chain
+start = chain.warm_start_source(chain.cache_folder() / 'runs' / 'smollm2')
+print('' if start == chain.EXPORT else start)" | tail -n 1)
+    if [[ -n "$warm" ]]; then
+        round=$(dirname "$warm")
+        tar -C "$(dirname "$round")" -cf - --exclude trainer_state.pt \
+            "$(basename "$round")/round.json" "$(basename "$round")/$(basename "$warm")" |
+            split -b "${PIECE_MIB}M" -d - "$LEASE/warm.tar."
+    fi
     pieces=("$LEASE"/target.gguf.[0-9]*)
     du -sh "$LEASE"/*
-    for piece in "${pieces[@]:0:${#pieces[@]}-1}"; do
+    for piece in "${pieces[@]:0:${#pieces[@]}-1}" "$LEASE"/warm.tar.*; do
+        [[ -e "$piece" ]] || continue
         echo "run(command=\"bash examples/lease_round.sh receive\", carry=[\"$piece\"])"
     done
     echo "run(command=\"bash examples/lease_round.sh train MINUTES\", carry=[\"${pieces[-1]}\", \"$LEASE/wheels\"," \
@@ -62,6 +76,10 @@ train)
     if [[ "$(sha256sum "$package/$GGUF" | cut -d' ' -f1)" != "$(cat "$LEASE/target.gguf.sha256")" ]]; then
         echo "the GGUF pieces do not add up (a piece missing or from another prepare): $(ls "$LEASE")" >&2
         exit 1
+    fi
+    mkdir -p "$WORKDIR/improve"
+    if compgen -G "$LEASE/warm.tar.[0-9]*" >/dev/null; then
+        cat "$LEASE"/warm.tar.[0-9]* | tar -C "$WORKDIR/improve" -xvf -
     fi
     python -m pip install --quiet --no-index --no-deps "$LEASE"/wheels/*.whl
     python -m pip install --quiet --no-deps --no-build-isolation -e .

@@ -12,6 +12,7 @@ import json
 import lzma
 import shutil
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from spark_generate import DSparkForCausalLM, FixedLength, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
+from spark_generate.training.data import TokenDataset
 
 HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
 PROMPTS = (
@@ -300,6 +302,40 @@ def test_an_ablation_on_a_new_machine_starts_from_the_committed_head_of_the_roun
     record(shipped_before="0123456789ab")
     with pytest.raises(SystemExit, match=r"no commit .* has weights of digest 0123456789ab"):
         improve.recorded_round(tmp_path / "cache")
+
+
+def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_process(smollm2, tmp_path, monkeypatch):
+    """A round on a lent accelerator: planned to end within the lease, no feature cache, resumable here after it."""
+    improve = _improve(monkeypatch)
+    target, _ = smollm2
+    shipped = _shipped_copy(improve, tmp_path, monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(0, target.config.vocab_size, (40,), generator=generator).tolist() for _ in range(6)]
+    part = TokenDataset(tuple(map(tuple, documents)), tuple((0,) * 8 + (1,) * 32 for _ in documents), "random")
+    strides = []
+
+    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE):
+        strides.append(replay_stride)
+        return {"random-0-6": part}, {"random.jsonl": 6}
+
+    monkeypatch.setattr(improve, "corpus_documents", corpus_documents)
+    monkeypatch.setattr(improve, "LEASE_ROUND", {**improve.LEASE_ROUND, "batch_size": 2, "num_anchors": 4})
+    monkeypatch.setattr(improve, "PROBE_WARMUP", 1)
+    monkeypatch.setattr(improve, "PROBE_STEPS", 4)
+    monkeypatch.setattr(improve.recipe, "SCALE_DOCUMENTS", 2)
+    # The probe: as many steps as its timing says fit in the time left, at least the steps it timed.
+    steps = improve.fitted_steps({"random-0-6": part}, (shipped, shipped), target, time.monotonic() + 120)
+    assert improve.PROBE_STEPS <= steps < 120 / 0.01
+    monkeypatch.setattr(improve, "fitted_steps", lambda *args: 3)
+    checkpoint = improve.stage_train(tmp_path, target, None, None, lease_deadline=time.monotonic() + 600)
+    plan = improve.plan_of(improve.round_folder(tmp_path))
+    assert plan["settings"] == {**improve.LEASE_ROUND, "num_steps": 3} and plan["target_in_process"]
+    assert plan["replay_stride"] == improve.LEASE_REPLAY_STRIDE == 1 and set(strides) == {1}
+    assert improve.REPOSITORY / plan["warm_start"] == shipped
+    assert checkpoint.name == "checkpoint-0000003" and not (tmp_path / "features").exists()
+    # Back here, the round reads as finished by its own settings, not the CPU rounds' 4,000 steps.
+    assert improve.stage_train(tmp_path, target, None, None) == checkpoint
+    assert improve.warm_start_source(tmp_path) == shipped  # the round is not recorded yet: still round 0
 
 
 def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
