@@ -55,7 +55,9 @@ steps after ``PROBE_WARMUP`` are timed on a scratch copy, and ``num_steps`` (rec
 is what ``LEASE_MARGIN`` of the lease left then allows, so the learning rate decays to zero in
 time. ``examples/lease_round.sh`` carries the target and wheels to the machine, runs ``--stage
 train`` there and brings the round's plan and final head back into this machine's workdir; the
-round is then evaluated and promoted here like any other (``--stage eval``).
+round is then evaluated and promoted here like any other (``--stage eval``). ``--stage ablation``
+in a lease trains the last recorded round's DFlash ablation there (its round's settings and steps,
+the target in process) and is evaluated here the same way.
 """
 
 from __future__ import annotations
@@ -469,6 +471,20 @@ def committed_head(digest: str, destination: Path) -> Path:
     raise SystemExit(f"no commit of {EXPORT / 'model.safetensors'} has weights of digest {digest}")
 
 
+def train_ablation(workdir: Path, target, tokenizer, deadline: float | None, lease: bool = False) -> Path | None:
+    """Trains (or resumes) the last recorded round's DFlash ablation; returns its final checkpoint once done.
+
+    In a lease (``--stage ablation --lease-minutes``) the target runs in process whatever the round
+    did, and only the training happens there: ``examples/lease_round.sh`` carries the ablation's start
+    (made here from git history) and brings the checkpoint back, evaluated here by ``--stage ablation``.
+    """
+    entry, folder = recorded_round(workdir)
+    start = folder / ABLATION_START
+    plan = {**entry, "target_in_process": True} if lease else entry
+    parts = round_documents(entry)
+    return _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, plan, deadline)
+
+
 def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) -> dict[str, dict] | None:
     """Trains the last recorded round's DFlash ablation like the round (same answers, settings, seed); evaluates it.
 
@@ -482,9 +498,7 @@ def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) 
     entry, folder = recorded_round(workdir)
     output = folder / "dflash" / "eval.json"
     if not output.exists():
-        start = folder / ABLATION_START
-        parts = round_documents(entry)
-        checkpoint = _train(workdir, folder / "dflash", parts, (start, start), target, tokenizer, entry, deadline)
+        checkpoint = train_ablation(workdir, target, tokenizer, deadline)
         if checkpoint is None:
             return None
         head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
@@ -717,8 +731,8 @@ def main() -> None:
                              "(a lent accelerator, whose machine keeps nothing; examples/lease_round.sh)")  # fmt: skip
     args = parser.parse_args()
     lease_deadline = None if args.lease_minutes is None else time.monotonic() + 60 * args.lease_minutes
-    if args.lease_minutes is not None and args.stage != "train":
-        parser.error("--lease-minutes goes with --stage train: evaluate the round on the machine that keeps it")
+    if args.lease_minutes is not None and args.stage not in ("train", "ablation"):
+        parser.error("--lease-minutes trains only (--stage train or ablation): evaluate on the machine that keeps it")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
@@ -729,6 +743,10 @@ def main() -> None:
     for corpus in recipe.CORPORA.values():
         recipe.restore_corpus(corpus)
     start = time.monotonic()
+    if args.stage == "ablation" and lease_deadline is not None:
+        checkpoint = train_ablation(args.workdir, target, tokenizer, lease_deadline, lease=True)
+        print(f"lease ablation: {'done, ' + str(checkpoint) if checkpoint else 'stopped at the end of the lease'}")
+        return
     if args.stage == "ablation":
         reports = stage_ablation(args.workdir, target, tokenizer, args.max_minutes)
         if reports is None:

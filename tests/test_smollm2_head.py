@@ -338,6 +338,23 @@ def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_proces
     assert improve.warm_start_source(tmp_path) == shipped  # the round is not recorded yet: still round 0
 
 
+def test_a_lease_ablation_trains_like_its_round_with_the_target_in_process(tmp_path, monkeypatch):
+    """In a lease the ablation keeps its round's documents, settings and start; only the target's states differ."""
+    improve = _improve(monkeypatch)
+    entry = {"settings": improve.ROUND, "answers": {"stdlib-000.jsonl": 10}, "target_in_process": False}
+    monkeypatch.setattr(improve, "recorded_round", lambda workdir: (entry, tmp_path / "round"))
+    monkeypatch.setattr(improve, "round_documents", lambda plan: {"stdlib-000-0-10": plan["answers"]})
+    calls = []
+    monkeypatch.setattr(improve, "_train", lambda *args: calls.append(args) or tmp_path / "checkpoint")
+    assert improve.train_ablation(tmp_path, None, None, None, lease=True) == tmp_path / "checkpoint"
+    assert improve.train_ablation(tmp_path, None, None, 123.0) == tmp_path / "checkpoint"
+    (_, folder, parts, heads, *_, leased, _), (*_, here, deadline) = calls
+    start = tmp_path / "round" / improve.ABLATION_START
+    assert folder == tmp_path / "round" / "dflash" and heads == (start, start) and deadline == 123.0
+    assert parts == {"stdlib-000-0-10": entry["answers"]}
+    assert leased == {**entry, "target_in_process": True} and here == entry
+
+
 def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
     """``round.json`` pins each corpus's answer count: later answers stay out, missing ones stop the round.
 
