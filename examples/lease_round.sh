@@ -116,9 +116,12 @@ train | ablation)
     OUT=${OUT:-/tmp/lease}
     mkdir -p "$OUT"
     exec > >(tee -a "$OUT/$stage.log") 2>&1
+    echo "[$(date +%T)] setting up"
     device_setup
+    echo "[$(date +%T)] $stage"
     python examples/improve_smollm2_head.py --stage "$stage" --device cuda --lease-minutes "$minutes" \
         --workdir "$WORKDIR"
+    echo "[$(date +%T)] packing"
     round=$(ls -td "$WORKDIR"/improve/round-*/round.json | head -n 1 | xargs dirname | xargs basename)
     if [[ $stage == train ]]; then
         checkpoint=$(ls -d "$WORKDIR/improve/$round"/checkpoint-* | sort | tail -n 1)
