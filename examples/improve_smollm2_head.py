@@ -329,6 +329,7 @@ def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], targe
     Raises:
         SystemExit: When fewer than ``PROBE_STEPS`` steps would fit.
     """
+    print(f"lease round: probing the step time, {deadline - time.monotonic():.0f} s of the lease left")
     train = TokenDataset.concatenate(list(parts.values()))
     probe = {**LEASE_ROUND, "num_steps": PROBE_WARMUP + PROBE_STEPS, "save_every": 0, "save_total_limit": None,
              "progress": False}  # fmt: skip
