@@ -119,8 +119,10 @@ train | ablation)
     echo "[$(date +%T)] setting up"
     device_setup
     echo "[$(date +%T)] $stage"
+    # What it trained comes back even when it stopped short of its steps (the lease ended first).
+    status=0
     python examples/improve_smollm2_head.py --stage "$stage" --device cuda --lease-minutes "$minutes" \
-        --workdir "$WORKDIR"
+        --workdir "$WORKDIR" || status=$?
     echo "[$(date +%T)] packing"
     round=$(ls -td "$WORKDIR"/improve/round-*/round.json | head -n 1 | xargs dirname | xargs basename)
     if [[ $stage == train ]]; then
@@ -130,6 +132,7 @@ train | ablation)
         checkpoint=$(ls -d "$WORKDIR"/improve/round-*/dflash/checkpoint-* | sort | tail -n 1)
         pack "$stage" "${checkpoint#"$WORKDIR/improve/"}"
     fi
+    exit "$status"
     ;;
 unpack)
     files=${2:?"unpack FOLDER: where the call's files came back (its files_at)"}
