@@ -58,6 +58,11 @@ train`` there and brings the round's plan and final head back into this machine'
 round is then evaluated and promoted here like any other (``--stage eval``). ``--stage ablation``
 in a lease trains the last recorded round's DFlash ablation there (its round's settings and steps,
 the target in process) and is evaluated here the same way.
+
+**A deeper head** (``--draft-layers N`` when a round is planned): the round's start grows to ``N``
+draft layers that draft exactly as it did (the new ones as identities:
+:func:`~spark_generate.training.initialization.grow_draft_layers`), so the gate judges what the
+extra depth learns, never a worse start; its cost per round shows in the peer benchmark.
 """
 
 from __future__ import annotations
@@ -83,7 +88,11 @@ from spark_generate.profiling import cache_folder
 from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_teacher_forced_decoding, plot_history
-from spark_generate.training.initialization import feature_scale_from_cache, feature_scale_from_target
+from spark_generate.training.initialization import (
+    feature_scale_from_cache,
+    feature_scale_from_target,
+    grow_draft_layers,
+)
 from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, answer_rows, write_json_atomically
 
@@ -101,6 +110,7 @@ ROUND = {
 }
 ABLATION = recipe.VARIANTS["dflash"]  # the round's head without its Markov and confidence heads
 ABLATION_START = "dflash-start"  # in a round's folder: the weights its ablation starts from
+GROWN_START = "grown-start"  # in a round's folder: the deeper head a round with more draft layers starts from
 EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the round's online tau)
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
@@ -347,7 +357,8 @@ def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], targe
             trainer.train(resume_from=warm, stop_after=PROBE_WARMUP + steps)
             durations[steps] = time.monotonic() - start
         (short, short_seconds), (long, long_seconds) = durations.items()
-        seconds = max(long_seconds - short_seconds, 1e-3) / (long - short)
+        # Noise in the resume and the save can swamp the difference on a busy machine: never below half the average.
+        seconds = max((long_seconds - short_seconds) / (long - short), long_seconds / long / 2)
     steps = int(LEASE_MARGIN * (deadline - time.monotonic()) / seconds)
     print(f"lease round: {seconds:.3f} s per step of {LEASE_ROUND['batch_size']} documents; {steps} steps fit")
     if steps < PROBE_STEPS:
@@ -355,13 +366,29 @@ def fitted_steps(parts: dict[str, TokenDataset], heads: tuple[Path, Path], targe
     return steps
 
 
+def round_heads(folder: Path, plan: dict) -> tuple[Path, Path]:
+    """The head a round trains (its configuration) and the weights it starts from: grown, or its warm start."""
+    if "draft_layers" in plan:
+        return folder / GROWN_START, folder / GROWN_START
+    start = REPOSITORY / plan["warm_start"]
+    return start, start
+
+
 def stage_train(
-    workdir: Path, target, tokenizer, max_minutes: float | None, lease_deadline: float | None = None
+    workdir: Path,
+    target,
+    tokenizer,
+    max_minutes: float | None,
+    lease_deadline: float | None = None,
+    draft_layers: int | None = None,
 ) -> Path | None:
     """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done.
 
     With ``lease_deadline`` (``time.monotonic()`` when the accelerator's lease ends) a new round is
     planned to finish by then: the target in process, ``LEASE_ROUND`` for :func:`fitted_steps` steps.
+    With ``draft_layers`` more than its start's, a new round trains a deeper head that starts drafting
+    exactly as its start (:func:`~spark_generate.training.initialization.grow_draft_layers`; saved as
+    ``GROWN_START`` in the round's folder, its layer count recorded in the plan).
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     folder = round_folder(workdir)
@@ -371,21 +398,25 @@ def stage_train(
         trained = trained_counts(source)
         stride = REPLAY_STRIDE if lease_deadline is None else LEASE_REPLAY_STRIDE
         parts, counts = corpus_documents(None, trained, stride)
-        if lease_deadline is None:
-            settings = ROUND
-        else:
-            settings = {**LEASE_ROUND, "num_steps": fitted_steps(parts, (EXPORT, source), target, lease_deadline)}
         start = source.relative_to(REPOSITORY) if source.is_relative_to(REPOSITORY) else source
         record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": stride,
-                  "settings": settings, "target_in_process": lease_deadline is not None,
-                  "warm_start": str(start)}  # fmt: skip
-        save_ablation_start(source, folder / ABLATION_START)
+                  "target_in_process": lease_deadline is not None, "warm_start": str(start)}  # fmt: skip
+        weights = DSparkHead.from_pretrained(source)
+        if draft_layers is not None and draft_layers != len(weights.layers):
+            grow_draft_layers(weights, draft_layers, target).save_pretrained(folder / GROWN_START)
+            record["draft_layers"] = draft_layers
+        heads = round_heads(folder, record)
+        if lease_deadline is None:
+            record["settings"] = ROUND
+        else:
+            record["settings"] = {**LEASE_ROUND, "num_steps": fitted_steps(parts, heads, target, lease_deadline)}
+        save_ablation_start(heads[1], folder / ABLATION_START)
         write_json_atomically(folder / "round.json", record)
     elif lease_deadline is not None and not plan_of(folder).get("target_in_process", False):
         raise SystemExit(f"{folder} is a round planned for this machine's cores: continue it without --lease-minutes.")
     plan = plan_of(folder)
     parts = round_documents(plan)
-    heads = (EXPORT, REPOSITORY / plan["warm_start"])
+    heads = round_heads(folder, plan)
     if lease_deadline is None:
         return _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
     start = time.monotonic()
@@ -727,6 +758,9 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=None, help="budget of the training; rerun to continue")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="where the target and the head train (default: cpu)")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft layers of a new round's head; more than its start's grows it "
+                             "(the new layers start as identities)")  # fmt: skip
     parser.add_argument("--lease-minutes", type=float, default=None,
                         help="plan a new round to finish within this many minutes from now, the target in process "
                              "(a lent accelerator, whose machine keeps nothing; examples/lease_round.sh)")  # fmt: skip
@@ -755,7 +789,7 @@ def main() -> None:
         print("DFlash ablation, online tau: " + " / ".join(f"{d} {r['tau']:.2f}" for d, r in reports.items()))
         return
     if args.stage != "eval":
-        checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline)
+        checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline, args.draft_layers)
     else:
         folder = round_folder(args.workdir)
         checkpoint = recipe._latest_checkpoint(folder)

@@ -12,8 +12,8 @@
 # back under $OUT in 15 MiB pieces (without the optimizer's state):
 #
 # * `train MINUTES`: `--stage train --lease-minutes`, a new round planned to end within the lease
-#   (the target in process, every answer of the corpus, as many steps as fit); back: its plan and
-#   final head.
+#   (the target in process, every answer of the corpus, as many steps as fit; `train MINUTES N` grows
+#   the head to N draft layers, `--draft-layers`); back: its plan, final head and ablation start.
 # * `ablation MINUTES`: `--stage ablation --lease-minutes`, the last recorded round's DFlash ablation
 #   with that round's settings and steps (the target in process); back: its final checkpoint.
 #
@@ -121,13 +121,15 @@ train | ablation)
     echo "[$(date +%T)] $stage"
     # What it trained comes back even when it stopped short of its steps (the lease ended first).
     status=0
+    grow=()
+    [[ $stage == train && -n "${3:-}" ]] && grow=(--draft-layers "$3")
     python examples/improve_smollm2_head.py --stage "$stage" --device cuda --lease-minutes "$minutes" \
-        --workdir "$WORKDIR" || status=$?
+        --workdir "$WORKDIR" "${grow[@]}" || status=$?
     echo "[$(date +%T)] packing"
     round=$(ls -td "$WORKDIR"/improve/round-*/round.json | head -n 1 | xargs dirname | xargs basename)
     if [[ $stage == train ]]; then
         checkpoint=$(ls -d "$WORKDIR/improve/$round"/checkpoint-* | sort | tail -n 1)
-        pack "$stage" "$round/round.json" "$round/$(basename "$checkpoint")"
+        pack "$stage" "$round/round.json" "$round/$(basename "$checkpoint")" "$round/dflash-start"
     else
         checkpoint=$(ls -d "$WORKDIR"/improve/round-*/dflash/checkpoint-* | sort | tail -n 1)
         pack "$stage" "${checkpoint#"$WORKDIR/improve/"}"

@@ -30,6 +30,7 @@ from spark_generate.training import (
     write_jsonl,
 )
 from spark_generate.training.evaluation import plot_history
+from spark_generate.training.initialization import grow_draft_layers
 from spark_generate.training.provenance import git_commit
 
 VOCAB = 96
@@ -151,6 +152,32 @@ def test_a_run_warm_starts_from_a_saved_head_with_its_folded_weights(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="needs a C++ compiler")
+def test_a_grown_head_drafts_exactly_as_the_trained_one_and_trains_its_new_layers(tmp_path):
+    target = tiny_target()
+    head = tiny_head(target)
+    Trainer(head, target, dataset(), settings(tmp_path / "trained", num_steps=2)).train()
+    head.eval()
+    grown = grow_draft_layers(head, 3, target).attach(target).eval()
+    assert len(grown.layers) == grown.config.num_draft_layers == 3 and len(head.layers) == 1
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 9, head.fc.in_features, generator=generator)
+    blocks = torch.full((2, 2, head.config.block_size), head.config.mask_token_id)
+    blocks[..., 0] = torch.tensor([[17, 90], [4, 52]])
+    anchors = torch.tensor([[3, 8], [2, 6]])
+    before, after = head(blocks, anchors, features), grown(blocks, anchors, features)
+    assert torch.equal(before.base_logits, after.base_logits) and torch.equal(before.draft_hidden, after.draft_hidden)
+    assert torch.equal(grown.layers[2].self_attn.q_proj.weight, head.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(grown.layers[0].mlp.up_proj.weight, target.model.layers[1].mlp.up_proj.weight)
+    assert not grown.layers[1].self_attn.o_proj.weight.any() and not grown.layers[1].mlp.down_proj.weight.any()
+    grown.save_pretrained(tmp_path / "grown")
+    reloaded = DSparkHead.from_pretrained(tmp_path / "grown")
+    Trainer(reloaded, target, dataset(), settings(tmp_path / "run", num_steps=2)).train()
+    for layer in reloaded.layers[:2]:  # the zero projections open from the first steps
+        assert layer.self_attn.o_proj.weight.any() and layer.mlp.down_proj.weight.any()
+    with pytest.raises(ValueError, match="never cut"):
+        grow_draft_layers(grown, 1, target)
+
+
 def test_a_compiled_loss_trains_the_same_head(tmp_path):
     """compile_loss fuses the objective's passes: the same steps, up to float32 rounding."""
     target = tiny_target()

@@ -15,6 +15,14 @@ channel massive within its layer.
 target's last decoder layers into the draft layers wherever names and shapes agree (attention
 projections, MLP, layer norms); the draft-only ``q_norm``/``k_norm`` keep their initial ones. The
 draft layers then start as the computation that turns deep target states into next-token states.
+
+**A deeper head from a trained one.** :func:`grow_draft_layers` gives a trained head more draft
+layers without changing what it drafts: the new layers go before the trained ones (which keep
+their place next to the output), start as copies of the target's layers before those the trained
+ones came from, and have their attention output and MLP down projections set to zero. A residual
+layer whose two branches add exact zeros passes its input through, so the grown head's logits are
+the trained head's bit for bit; training then opens the new layers from the zero projections,
+which receive gradients from the first step. Whether the extra depth pays is the evaluation's call.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "feature_scale",
     "feature_scale_from_cache",
     "feature_scale_from_target",
+    "grow_draft_layers",
     "init_draft_layers_from_target",
 ]
 
@@ -132,3 +141,52 @@ def init_draft_layers_from_target(head: DSparkHead, target: PreTrainedModel) -> 
             "target's layers are laid out differently. Train the head from its own initialisation."
         )
     return copied
+
+
+def grow_draft_layers(head: DSparkHead, num_draft_layers: int, target: PreTrainedModel) -> DSparkHead:
+    """A head with ``num_draft_layers`` draft layers that drafts exactly as ``head`` does, its new layers to train.
+
+    Args:
+        head: A trained head (any dtype and device; it is not modified).
+        num_draft_layers: The grown head's draft layers, at least ``head``'s.
+        target: The head's target: the new layers start from its decoder layers just before the last
+            ``len(head.layers)`` (the layers :func:`init_draft_layers_from_target` gave the head).
+
+    Returns:
+        A new head, in ``head``'s dtype and on its device, not attached to ``target``.
+
+    Raises:
+        ValueError: If ``num_draft_layers`` is smaller than the head's, or the target has too few layers.
+    """
+    old = len(head.layers)
+    target_layers = target.get_decoder().layers
+    if not old <= num_draft_layers <= len(target_layers):
+        raise ValueError(
+            f"num_draft_layers={num_draft_layers}: expected {old} (the head's draft layers) to "
+            f"{len(target_layers)} (the target's decoder layers); a head is grown, never cut."
+        )
+    added = num_draft_layers - old
+    config = head.config.to_dict()
+    layer_config = config["transformer_layer_config"]
+    layer_config["num_hidden_layers"] = num_draft_layers
+    if layer_config.get("layer_types") is not None:
+        layer_config["layer_types"] = [layer_config["layer_types"][0]] * added + layer_config["layer_types"]
+    grown = type(head)(type(head.config).from_dict(config))
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("layers."):
+            index, rest = name.removeprefix("layers.").split(".", 1)
+            name = f"layers.{int(index) + added}.{rest}"
+        state[name] = tensor
+    first = len(target_layers) - num_draft_layers
+    for index in range(added):
+        layer, source = grown.layers[index], target_layers[first + index].state_dict()
+        for name, tensor in layer.state_dict().items():
+            matches = name in source and source[name].shape == tensor.shape
+            state[f"layers.{index}.{name}"] = source[name] if matches else tensor
+        state[f"layers.{index}.self_attn.o_proj.weight"] = torch.zeros_like(layer.self_attn.o_proj.weight)
+        state[f"layers.{index}.mlp.down_proj.weight"] = torch.zeros_like(layer.mlp.down_proj.weight)
+    parameter = next(head.parameters())
+    grown = grown.to(device=parameter.device, dtype=parameter.dtype)
+    grown.load_state_dict({name: tensor.to(parameter.device) for name, tensor in state.items()}, strict=True)
+    return grown
