@@ -20,6 +20,7 @@ import importlib.util
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from hypothesis import HealthCheck, settings
 from transformers import (
     Gemma3ForCausalLM,
@@ -134,3 +135,11 @@ def tiny_head(target, seed: int = 1, **overrides) -> DSparkHead:
     torch.manual_seed(seed)
     fields = {"num_draft_layers": 1, "markov_rank": 8, "block_size": 4, **overrides}
     return DSparkHead.from_target(target, **fields).eval()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state; a test that changes its precision resets it around itself."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -304,7 +304,9 @@ def test_an_ablation_on_a_new_machine_starts_from_the_committed_head_of_the_roun
         improve.recorded_round(tmp_path / "cache")
 
 
-def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_process(smollm2, tmp_path, monkeypatch):
+def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_process(
+    smollm2, tmp_path, monkeypatch, fresh_accelerate_state
+):
     """A round on a lent accelerator: planned to end within the lease, no feature cache, resumable here after it."""
     improve = _improve(monkeypatch)
     target, _ = smollm2

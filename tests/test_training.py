@@ -13,7 +13,6 @@ import subprocess
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from conftest import tiny_head as shared_tiny_head
 from conftest import tiny_target as shared_tiny_target
 from transformers import LlamaForCausalLM
@@ -273,14 +272,6 @@ def test_failed_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         trainer.train()
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    """Accelerate keeps one process-wide state; a test that changes its precision resets it around itself."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_bf16_and_a_reduced_draft_vocabulary_train(tmp_path, fresh_accelerate_state):
