@@ -401,8 +401,8 @@ def stage_train(
         start = source.relative_to(REPOSITORY) if source.is_relative_to(REPOSITORY) else source
         record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": stride,
                   "target_in_process": lease_deadline is not None, "warm_start": str(start)}  # fmt: skip
-        weights = DSparkHead.from_pretrained(source)
-        if draft_layers is not None and draft_layers != len(weights.layers):
+        weights = None if draft_layers is None else DSparkHead.from_pretrained(source)
+        if weights is not None and draft_layers != len(weights.layers):
             grow_draft_layers(weights, draft_layers, target).save_pretrained(folder / GROWN_START)
             record["draft_layers"] = draft_layers
         heads = round_heads(folder, record)
@@ -417,13 +417,14 @@ def stage_train(
     plan = plan_of(folder)
     parts = round_documents(plan)
     heads = round_heads(folder, plan)
-    if lease_deadline is None:
-        return _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
+    if lease_deadline is not None:
+        deadline = lease_deadline if deadline is None else min(deadline, lease_deadline)
     start = time.monotonic()
-    deadline = lease_deadline if deadline is None else min(deadline, lease_deadline)
     checkpoint = _train(workdir, folder, parts, heads, target, tokenizer, plan, deadline)
-    steps, seconds, left = plan["settings"]["num_steps"], time.monotonic() - start, lease_deadline - time.monotonic()
-    print(f"lease round: {steps} steps in {seconds:.0f} s with their setup; {left:.0f} s of the lease left")
+    if lease_deadline is not None:
+        steps, seconds = plan["settings"]["num_steps"], time.monotonic() - start
+        left = lease_deadline - time.monotonic()
+        print(f"lease round: {steps} steps in {seconds:.0f} s with their setup; {left:.0f} s of the lease left")
     return checkpoint
 
 
@@ -638,6 +639,7 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
         "steps": plan["settings"]["num_steps"],
         "settings": plan["settings"],
         "target_in_process": plan.get("target_in_process", False),
+        **({"draft_layers": plan["draft_layers"]} if "draft_layers" in plan else {}),
         "answers": plan["counts"],
         "trained": plan.get("trained", {}),
         "replay_stride": plan.get("replay_stride", REPLAY_STRIDE),

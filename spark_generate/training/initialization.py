@@ -112,6 +112,18 @@ def feature_scale_from_target(
     return feature_scale(documents(), len(layer_ids), kind)
 
 
+def _copy_target_layer(layer: torch.nn.Module, target_layer: torch.nn.Module) -> list[str]:
+    """Copies ``target_layer``'s weights into ``layer`` wherever names and shapes agree; returns the names copied."""
+    source = target_layer.state_dict()
+    copied = []
+    with torch.no_grad():
+        for name, tensor in layer.state_dict().items():
+            if name in source and source[name].shape == tensor.shape:
+                tensor.copy_(source[name])
+                copied.append(name)
+    return copied
+
+
 def init_draft_layers_from_target(head: DSparkHead, target: PreTrainedModel) -> list[str]:
     """Copies the target's last ``num_draft_layers`` decoder layers into the draft layers, in order.
 
@@ -127,14 +139,11 @@ def init_draft_layers_from_target(head: DSparkHead, target: PreTrainedModel) -> 
     """
     target_layers = target.get_decoder().layers
     first = len(target_layers) - len(head.layers)
-    copied = []
-    with torch.no_grad():
-        for index, layer in enumerate(head.layers):
-            source = target_layers[first + index].state_dict()
-            for name, tensor in layer.state_dict().items():
-                if name in source and source[name].shape == tensor.shape:
-                    tensor.copy_(source[name])
-                    copied.append(f"layers.{index}.{name}")
+    copied = [
+        f"layers.{index}.{name}"
+        for index, layer in enumerate(head.layers)
+        for name in _copy_target_layer(layer, target_layers[first + index])
+    ]
     if not copied:
         raise ValueError(
             f"no weight of the draft layers matches {type(target_layers[0]).__name__} in name and shape: the "
@@ -171,22 +180,22 @@ def grow_draft_layers(head: DSparkHead, num_draft_layers: int, target: PreTraine
     layer_config["num_hidden_layers"] = num_draft_layers
     if layer_config.get("layer_types") is not None:
         layer_config["layer_types"] = [layer_config["layer_types"][0]] * added + layer_config["layer_types"]
-    grown = type(head)(type(head.config).from_dict(config))
+    parameter = next(head.parameters())
+    grown = type(head)(type(head.config).from_dict(config)).to(device=parameter.device, dtype=parameter.dtype)
     state = {}
     for name, tensor in head.state_dict().items():
         if name.startswith("layers."):
             index, rest = name.removeprefix("layers.").split(".", 1)
             name = f"layers.{int(index) + added}.{rest}"
         state[name] = tensor
+    result = grown.load_state_dict(state, strict=False)
+    new_layers = {f"layers.{index}.{name}" for index in range(added) for name in grown.layers[index].state_dict()}
+    if result.unexpected_keys or set(result.missing_keys) != new_layers:  # only the new layers are left to fill
+        raise ValueError(f"the grown head does not hold exactly the head's weights: {result}")
     first = len(target_layers) - num_draft_layers
-    for index in range(added):
-        layer, source = grown.layers[index], target_layers[first + index].state_dict()
-        for name, tensor in layer.state_dict().items():
-            matches = name in source and source[name].shape == tensor.shape
-            state[f"layers.{index}.{name}"] = source[name] if matches else tensor
-        state[f"layers.{index}.self_attn.o_proj.weight"] = torch.zeros_like(layer.self_attn.o_proj.weight)
-        state[f"layers.{index}.mlp.down_proj.weight"] = torch.zeros_like(layer.mlp.down_proj.weight)
-    parameter = next(head.parameters())
-    grown = grown.to(device=parameter.device, dtype=parameter.dtype)
-    grown.load_state_dict({name: tensor.to(parameter.device) for name, tensor in state.items()}, strict=True)
+    with torch.no_grad():
+        for layer, target_layer in zip(grown.layers[:added], target_layers[first : first + added], strict=True):
+            _copy_target_layer(layer, target_layer)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
     return grown
