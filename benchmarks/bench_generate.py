@@ -63,7 +63,7 @@ systems took 33 minutes; a fourth domain and three more systems make it about tw
 A run longer than a working session is taken in parts: ``--max-minutes`` stops after the cell during
 which the budget ran out (each call measures at least one), every
 finished cell is kept in ``generate_smollm2_cpu.cells.json`` (written atomically, with the run's
-settings, the head's digest and a digest of the ``spark_generate`` sources), and the same command
+settings, the head's digest and a digest of the ``spark_generate`` sources but ``training/``), and the same command
 continues with the next cell; a run of other settings, another head or changed sources starts over.
 Every ratio is taken within a cell, whose systems always run in one process.
 
@@ -459,11 +459,16 @@ def domain_prompts(domain: str) -> list[str | copy_heavy.Conversation]:
 
 
 def sources_digest() -> str:
-    """sha256 over the ``spark_generate`` package's Python sources: cells measured on other code are not kept."""
+    """sha256 over the Python sources generation runs: cells measured on other code are not kept.
+
+    That is the ``spark_generate`` package without ``training/``, which nothing in generation
+    imports (the layering test keeps it so), so that a recording can span sessions of training work.
+    """
     digest = hashlib.sha256()
     package = Path(spark_generate.__file__).parent
     for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+        if path.relative_to(package).parts[0] != "training":
+            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from spark_generate.modeling import DSparkForCausalLM
     from spark_generate.packing import packed_linears
     from spark_generate.profiling import profile_costs
-    from spark_generate.sampling import sample
+    from spark_generate.sampling import inverse_cdf_sample, sample
     from spark_generate.schedule import AdaptiveSchedule, ConfidenceThreshold, CostTable, FixedLength, GoodputSchedule
     from spark_generate.suffix import CorpusIndex, SuffixDrafter
     from spark_generate.telemetry import DSparkGenerateOutput, SpeculativeStats
@@ -44,6 +44,7 @@ _LAZY_EXPORTS = {
     "SpeculativeStats": "spark_generate.telemetry",
     "SuffixDrafter": "spark_generate.suffix",
     "decode": "spark_generate.generation",
+    "inverse_cdf_sample": "spark_generate.sampling",
     "packed_linears": "spark_generate.packing",
     "profile_costs": "spark_generate.profiling",
     "rejection_sample": "spark_generate.kernels",
@@ -75,6 +76,7 @@ __all__ = [
     "SuffixDrafter",
     "__version__",
     "decode",
+    "inverse_cdf_sample",
     "packed_linears",
     "profile_costs",
     "rejection_sample",

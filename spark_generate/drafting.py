@@ -11,11 +11,12 @@ row (feeding it the new target features), then walks the ``S`` draft slots left 
 ``j`` gets its logits from :meth:`~spark_generate.heads.DSparkHead.draft_step` given the token
 drafted at ``j - 1``, and stays in the head's **draft vocabulary**: only the target's warpers that
 never read token ids (temperature, top-k, top-p, ...) are applied to it, then one softmax and one
-exponential race on the ``DRAFT`` stream, whose Philox weights for all ``S`` slots come from one
-call before the walk (greedy decoding takes the argmax instead, and keeps no distribution: ``q``
-is one-hot). The distribution each draft was sampled from is kept, exactly, as
-what verification uses for ``q``; :meth:`DraftBlock.target_probs` lays it over the target
-vocabulary once per round.
+inverse-CDF draw (:func:`~spark_generate.kernels.reference.inverse_cdf`, as
+:func:`~spark_generate.sampling.inverse_cdf_sample` draws) from a uniform of the ``DRAFT`` stream
+at the slot's absolute position, the uniforms of all ``S`` slots coming from one Philox call before
+the walk (greedy decoding takes the argmax instead, and keeps no distribution: ``q`` is one-hot).
+The distribution each draft was sampled from is kept, exactly, as what verification uses for
+``q``; :meth:`DraftBlock.target_probs` lays it over the target vocabulary once per round.
 
 The draft distribution may be any distribution: verification is lossless for every ``q`` as long
 as it is the one the draft was sampled from. Processors that read token ids (repetition penalty,
@@ -34,8 +35,8 @@ from transformers import LogitsProcessorList
 
 from spark_generate.heads import DSparkHead
 from spark_generate.kernels import RandomStream
+from spark_generate.kernels.reference import inverse_cdf, philox_uniform64
 from spark_generate.rows import RowPrefixes, Sampling
-from spark_generate.sampling import race_noise, sample
 
 __all__ = ["NO_CONFIDENCE", "DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
 
@@ -221,11 +222,9 @@ class HeadDrafter:
         prev_ids, markov_state = anchor_ids, backbone.first_markov_state(0)
         token_ids, probs, confidence_logits = [], [], []
         num_slots = head.config.num_draft_tokens
-        if not request.sampling.greedy:  # every slot's DRAFT-stream draws, in one Philox call
-            slots = torch.arange(num_slots, device=anchor_ids.device)
-            slot_positions = request.anchor_positions[:, None] + 1 + slots
-            vocab_size = backbone.base_logits.shape[-1]
-            noise = race_noise(request.sampling.seeds, slot_positions, vocab_size, RandomStream.DRAFT)
+        if not request.sampling.greedy:  # every slot's DRAFT-stream uniform, in one Philox call
+            slot_positions = request.anchor_positions[:, None] + 1 + torch.arange(num_slots, device=anchor_ids.device)
+            uniforms = philox_uniform64(request.sampling.seeds[:, None], slot_positions, RandomStream.DRAFT)
         for slot in range(num_slots):
             step = head.draft_step(
                 backbone.base_logits[:, 0, slot], backbone.draft_hidden[:, 0, slot], prev_ids, markov_state
@@ -237,7 +236,7 @@ class HeadDrafter:
                 if request.warpers:
                     draft_logits = request.warpers(anchor_ids[:, None], draft_logits)
                 slot_probs = torch.softmax(draft_logits, dim=-1)
-                draft_ids = sample(slot_probs, noise=noise[:, slot], validate=False)
+                draft_ids = inverse_cdf(slot_probs, uniforms[:, slot])
                 probs.append(slot_probs)
             prev_ids = draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
             token_ids.append(prev_ids)

@@ -46,7 +46,7 @@ from spark_generate.hf import cache_kwarg_name, crop_cache, pop_prepared_inputs,
 from spark_generate.packing import packed_linears, resolve_pack_linears
 from spark_generate.profiling import cost_table_for
 from spark_generate.rows import UNSEEN_POSITION, RowPrefixes, Sampling, apply_processors, rows_by_length
-from spark_generate.sampling import sample
+from spark_generate.sampling import inverse_cdf_sample
 from spark_generate.schedule import AdaptiveSchedule, Schedule, ScheduleRun, start_schedule
 from spark_generate.suffix import CorpusIndex, SuffixDrafter
 from spark_generate.telemetry import DraftSource, DSparkGenerateOutput, SpeculativeStats, record_step, stack_per_step
@@ -413,7 +413,9 @@ def commit_first_token(state: DecodeState, logits: torch.Tensor) -> None:
         first_ids = scores.argmax(dim=-1)
     else:
         probs = torch.softmax(scores, dim=-1)
-        first_ids = sample(probs, seed=running.sampling.seeds, positions=running.anchor_positions, validate=False)
+        first_ids = inverse_cdf_sample(
+            probs, seed=running.sampling.seeds, positions=running.anchor_positions, validate=False
+        )
     commit(state, first_ids[:, None], torch.ones_like(first_ids), scores[:, None], logits[:, None])
     drop_finished_rows(state)
 

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +59,20 @@ def test_cells_of_other_settings_head_or_sources_are_not_kept(tmp_path, monkeypa
     for changed in ({"settings": {"repeats": 1}}, {"head_sha256": "b"}, {"sources_sha256": "c"}):
         other = bench_generate.CellLog(tmp_path / "cells.json", {**key, **changed})
         assert other.rows("copy", 1.0, 4) is None and other.failures == {}
+
+
+def test_the_sources_digest_follows_generation_code_not_training_code(tmp_path, monkeypatch):
+    """A recording spans sessions of training work: only a change outside ``training/`` starts it over."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_generate
+
+    package = tmp_path / "spark_generate"
+    (package / "training").mkdir(parents=True)
+    for name, text in (("__init__.py", ""), ("generation.py", "STEP = 1\n"), ("training/recipe.py", "LR = 1\n")):
+        (package / name).write_text(text)
+    monkeypatch.setattr(bench_generate, "spark_generate", SimpleNamespace(__file__=str(package / "__init__.py")))
+    before = bench_generate.sources_digest()
+    (package / "training" / "recipe.py").write_text("LR = 2\n")
+    assert bench_generate.sources_digest() == before
+    (package / "generation.py").write_text("STEP = 2\n")
+    assert bench_generate.sources_digest() != before

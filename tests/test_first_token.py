@@ -3,7 +3,8 @@
 The documented contract of sampled decoding ("randomness is counter-based Philox keyed by a
 per-row seed and the absolute position of each token") covers the token chosen from the prefill's
 logits too: with ``max_new_tokens=1`` every row's token must be exactly
-``spark_generate.sample(softmax(processed logits), seed=row_seed, positions=real_length)``, where
+``spark_generate.inverse_cdf_sample(softmax(processed logits), seed=row_seed, positions=real_length)``
+(the loop's plain-step draw, on the ``PLAIN`` stream), where
 ``real_length`` is the number of real (unpadded) prompt tokens of the row, i.e. the absolute
 position of the new token. Drawing it at another position keeps its distribution but breaks the
 contract (and reproducibility across paddings), so only this exact check catches it.
@@ -16,7 +17,7 @@ import torch
 from conftest import tiny_target as shared_tiny_target
 from transformers import LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
-from spark_generate import DSparkForCausalLM, FixedLength, sample
+from spark_generate import DSparkForCausalLM, FixedLength, inverse_cdf_sample
 from spark_generate.heads import DSparkHead
 
 VOCAB, PAD, NUM_ROWS, WIDTH = 64, 0, 48, 9
@@ -43,12 +44,12 @@ def left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def test_the_first_token_is_the_seeded_draw_at_the_rows_absolute_position():
-    """Every row's token is ``sample(softmax(processed), seed=row_seed, positions=real_length)``.
+    """Every row's token is ``inverse_cdf_sample(softmax(processed), seed=row_seed, positions=real_length)``.
 
     Mutant checked (spark_generate/generation.py, ``commit_first_token``, at commits 220c703 and
-    bdafe9a, same figures): the first token drawn without its position, ``sample(probs,
-    seed=<row seeds>, validate=False)`` (position 0). Correct code: all 48 rows equal the reference draw. Mutant:
-    46 of 48 rows differ. Drawing at the padded width (9) instead of the real length would change
+    bdafe9a, same figures, when the first token was a race draw): the first token drawn without its
+    position (position 0). Correct code: all 48 rows equal the reference draw. Mutant: 46 of 48
+    rows differ. Drawing at the padded width (9) instead of the real length would change
     all 41 padded rows (checked below, as the premise).
     """
     target = tiny_target()
@@ -70,12 +71,12 @@ def test_the_first_token_is_the_seeded_draw_at_the_rows_absolute_position():
     processed = warpers(input_ids, logits)
     torch.testing.assert_close(out.scores[0], processed)  # the same processed logits, independently computed
     probs = torch.softmax(processed, dim=-1)
-    expected = sample(probs, seed=seeds, positions=real_lengths)
+    expected = inverse_cdf_sample(probs, seed=seeds, positions=real_lengths)
 
     mismatched = (first != expected).nonzero()[:, 0].tolist()
     assert not mismatched, f"{len(mismatched)} of {NUM_ROWS} rows differ from the draw at their position: {mismatched}"
     # The premise: the position matters, and the real length is not the padded width.
     padded = real_lengths < WIDTH
-    at_width = sample(probs, seed=seeds, positions=WIDTH)
+    at_width = inverse_cdf_sample(probs, seed=seeds, positions=WIDTH)
     assert (at_width != expected)[padded].sum() >= padded.sum() // 2
-    assert (sample(probs, seed=seeds, positions=0) != expected).sum() >= NUM_ROWS // 2
+    assert (inverse_cdf_sample(probs, seed=seeds, positions=0) != expected).sum() >= NUM_ROWS // 2

@@ -17,7 +17,7 @@ from spark_generate import FixedLength, decode
 from spark_generate.drafting import HeadDrafter
 from spark_generate.kernels import RandomStream
 from spark_generate.rows import UNSEEN_POSITION
-from spark_generate.sampling import sample
+from spark_generate.sampling import inverse_cdf_sample
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,9 @@ def test_reduced_vocab_drafts_stay_in_the_draft_vocabulary(llama):
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 40], ids=["full-vocab", "reduced-vocab"])
 def test_sampled_drafts_are_the_seeded_draft_stream_draws(llama, draft_vocab_size):
-    """Each slot's draft is ``sample(q, seed, position, DRAFT)`` at its own absolute position.
+    """Each slot's draft is ``inverse_cdf_sample(q, seed, position, DRAFT)`` at its own absolute position.
 
-    The drafter draws the Philox weights of all slots in one call; a slot or row reading another
-    one's weights (or the RESIDUAL stream) would draw other tokens.
+    A slot or row reading another one's uniform (or the PLAIN stream) would draw other tokens.
     """
     head = tiny_head(llama, **({} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}))
     seen = []
@@ -141,8 +140,8 @@ def test_sampled_drafts_are_the_seeded_draft_stream_draws(llama, draft_vocab_siz
     for request, block in seen:
         for slot in range(block.probs.shape[1]):
             positions = request.anchor_positions + 1 + slot
-            expected = sample(block.probs[:, slot], seed=request.sampling.seeds, positions=positions,
-                              stream=RandomStream.DRAFT)  # fmt: skip
+            expected = inverse_cdf_sample(block.probs[:, slot], seed=request.sampling.seeds, positions=positions,
+                                          stream=RandomStream.DRAFT)  # fmt: skip
             if block.vocab_ids is not None:
                 expected = block.vocab_ids[expected]
             assert torch.equal(block.token_ids[:, slot], expected)

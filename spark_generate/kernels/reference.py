@@ -29,6 +29,12 @@ depends neither on the other rows of the batch nor on the block size. The stream
 draft's own sampling noise independent of the verifier's noise; sharing them biases the output
 (a bug peers have shipped).
 
+A draw outside verification (a plain decoding step, a draft) needs no race: :func:`inverse_cdf`
+takes the first token whose cumulative weight, summed in float64, exceeds ``u`` times the total,
+for one 53-bit uniform per row (:func:`philox_uniform64`). It reads the weights once and draws
+one Philox counter instead of ``V / 4``, which on a CPU is the difference between a few percent of
+a decoding step and nothing.
+
 The helpers :func:`accepts`, :func:`acceptance_probability` and :func:`residual` are written with
 arithmetic operators only, so the exact-arithmetic test oracle runs them on ``fractions.Fraction``
 values and checks this very code, not a re-derivation.
@@ -47,10 +53,12 @@ __all__ = [
     "accepts",
     "exponential_race",
     "generator_race_noise",
+    "inverse_cdf",
     "philox_offsets",
     "philox_race_noise",
     "philox_uniform",
     "philox_uniform4x",
+    "philox_uniform64",
     "race_noise_from_uniform",
     "rejection_sample_reference",
     "residual",
@@ -76,14 +84,16 @@ class RandomStream(enum.IntEnum):
     """Disjoint Philox counter domains for the draws made at one absolute position.
 
     The draft's sampling noise must be independent of the verifier's: ``DRAFT`` is reserved for
-    drafting. ``RESIDUAL`` is also the plain sampler's stream, so a verification step with no drafts
-    emits exactly what plain sampling emits for the same seed and position.
+    drafting. ``RESIDUAL`` is also :func:`spark_generate.sample`'s default stream, so a
+    verification step with no drafts emits exactly what that sampler emits for the same seed and
+    position. ``PLAIN`` is the decoding loop's plain steps (an inverse-CDF draw,
+    :func:`philox_uniform64`): a position the target samples without drafts.
     """
 
     ACCEPT = 0
     RESIDUAL = 1
     DRAFT = 2
-    SPARE = 3
+    PLAIN = 3
 
 
 def philox_offsets(positions: torch.Tensor, stream: RandomStream, token_ids: torch.Tensor) -> torch.Tensor:
@@ -180,6 +190,49 @@ def philox_uniform4x(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor
         float32 ``[*broadcast shape, 4]``; lane 0 equals :func:`philox_uniform`.
     """
     return _word_to_uniform(torch.stack(_philox_words(seeds, offsets), dim=-1))
+
+
+def philox_uniform64(seeds: torch.Tensor, positions: torch.Tensor, stream: RandomStream) -> torch.Tensor:
+    """One float64 uniform in ``[0, 1)`` with 53 random bits per (seed, position), on a stream.
+
+    The bits are the top 27 of word 0 and the top 26 of word 1 of the Philox counter
+    ``philox_offsets(position, stream, 0)`` (the counter of vocabulary index 0), so every multiple
+    of ``2**-53`` in ``[0, 1)`` is equally likely.
+
+    Args:
+        seeds: int64 seeds, broadcastable against ``positions``.
+        positions: int64 absolute positions of the drawn tokens.
+        stream: The counter domain of the draw.
+
+    Returns:
+        float64 uniforms of the broadcast shape.
+    """
+    positions = positions.to(torch.int64)
+    words = _philox_words(seeds, philox_offsets(positions, stream, torch.zeros_like(positions)))
+    bits = (words[0] >> 5) * 2**26 + (words[1] >> 6)  # < 2**53: exact in float64
+    return bits.to(torch.float64) * 2.0**-53
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draws one index per row from ``weights / weights.sum()``: the inverse of the float64 cumulative sum at ``u``.
+
+    Index ``i`` is drawn iff ``c_{i-1} <= u * c_{V-1} < c_i`` for the cumulative sums ``c`` of the
+    row, an interval of width ``w_i`` up to float64 rounding of the sums (about ``1e-16`` of the
+    total). A zero weight adds exactly nothing, so its interval is empty and the token is never
+    drawn. Nothing is drawn past the end: for ``u <= 1 - 2**-53`` the rounded product ``u * c``
+    stays below ``c`` (at ``c = m * 2**e`` with ``1 < m < 2``, ``c * 2**-53`` is more than half the
+    spacing below ``c``; at ``m = 1`` the product is exact).
+
+    Args:
+        weights: float32 or float64 ``[B, V]`` non-negative, unnormalised, with a positive sum.
+        uniforms: ``[B]`` uniforms in ``[0, 1)`` (float64 for all their bits, see :func:`philox_uniform64`).
+
+    Returns:
+        int64 ``[B]`` drawn indices.
+    """
+    cumulative = weights.to(torch.float64).cumsum(dim=-1)
+    thresholds = uniforms.to(torch.float64) * cumulative[:, -1]
+    return torch.searchsorted(cumulative, thresholds[:, None], right=True)[:, 0]
 
 
 def race_noise_from_uniform(uniforms: torch.Tensor) -> torch.Tensor:
