@@ -37,8 +37,8 @@ reformatted, records converted, earlier answers repeated; multi-turn included), 
 template with a generation prompt, never seen in training. Each (domain, temperature, batch size)
 cell runs the same prompts (the first ``--prompts``, or one full batch when that is more) through
 every system in left-padded batches, stopping at EOS or ``--max-new-tokens``, ``--repeats`` times
-with the systems interleaved (the run with the median time is kept; this host's speed drifts by
-5-20% within minutes), and records per system:
+with the systems interleaved, in alternating order (A B C, C B A, A B C, ...; the run with the
+median time is kept; this host's speed drifts by 5-20% within minutes), and records per system:
 
 * ``ttft_ms``: time to first token, the mean wall time of ``generate(max_new_tokens=1)`` per batch;
 * ``request_tok_s``: mean over requests of its new tokens divided by its latency;
@@ -46,7 +46,11 @@ with the systems interleaved (the run with the median time is kept; this host's 
 * ``p95_latency_s``: 95th percentile of request latency (a request returns with its batch);
 * ``tau``: tokens committed per target forward after the prefill (1 for plain decoding), and the
   per-position acceptance of the drafted systems (``-`` for a draft slot never verified);
-* ``speedup`` and ``vs_plain_packed``: throughput over plain's and over plain-packed's in the same cell;
+* ``speedup`` and ``vs_plain_packed``: throughput over plain's and over plain-packed's, the median
+  over the repeats of the ratio to that system's run in the same repeat. With an even number of
+  repeats a drift of the host's speed that is steady over the cell cancels from these ratios (each
+  pair of systems runs once in each order), so ``--repeats 4`` is the recording's setting; a ratio
+  may therefore differ from the ratio of the throughput columns, which are the median runs';
 * ``identical``: under greedy decoding, how many requests match plain ``generate()`` token for token;
 * ``drafters``: per drafter (head, suffix, and the plain steps), ``row-rounds/acceptance/tokens per
   second``, from the generation's per-source statistics (``head 40/0.45/18.2; plain 12/-/11.0``);
@@ -56,19 +60,20 @@ Results: ``generate_smollm2_cpu.csv`` (with provenance lines), a markdown table 
 and a chart ``.png`` (speed-up per domain, temperature and batch size; acceptance by draft
 position) in ``--output`` (default ``benchmarks/results``).
 
-The recorded run, all four domains, greedy and T = 1, batch 1/4/16, the default systems, one run
-per system per cell: about 70 minutes on the project's 2-core CPU (the three-domain run of six
-systems took 33 minutes; a fourth domain and three more systems make it about twice that).
-``--repeats 3`` triples it; ``--compile`` adds the compilation of each batch shape, minutes each.
+All four domains, greedy and T = 1, batch 1/4/16, the default systems, one run per system per
+cell: about 70 minutes on the project's 2-core CPU (the three-domain run of six systems took 33
+minutes; a fourth domain and three more systems make it about twice that). The recording runs
+``--repeats 4 --compile``, about five hours: ``--compile`` adds the compilation of each batch
+shape, minutes each.
 A run longer than a working session is taken in parts: ``--max-minutes`` stops after the cell during
 which the budget ran out (each call measures at least one), every
 finished cell is kept in ``generate_smollm2_cpu.cells.json`` (written atomically, with the run's
-settings, the head's digest and a digest of the ``spark_generate`` sources but ``training/``), and the same command
-continues with the next cell; a run of other settings, another head or changed sources starts over.
+settings, the head's digest and a digest of the ``spark_generate`` sources but ``training/``), and the
+same command continues with the next cell; a run of other settings, another head or changed sources starts over.
 Every ratio is taken within a cell, whose systems always run in one process.
 
-    python benchmarks/bench_generate.py                      # the recorded run
-    python benchmarks/bench_generate.py --repeats 3 --compile --max-minutes 150   # rerun to continue
+    python benchmarks/bench_generate.py                      # one run per system per cell
+    python benchmarks/bench_generate.py --repeats 4 --compile --max-minutes 150   # the recording; rerun to continue
     python benchmarks/bench_generate.py --prompts 1 --max-new-tokens 8 --batch-sizes 1 --temperatures 0 \
         --domains copy code --output /tmp/bench                  # a smoke run
 """
@@ -347,15 +352,35 @@ def median_run(outcomes: list[Outcome]) -> Outcome:
     return sorted(outcomes, key=lambda outcome: outcome.seconds)[(len(outcomes) - 1) // 2]
 
 
-def cell_rows(domain: str, temperature: float, batch_size: int, outcomes: dict[str, Outcome]) -> list[Row]:
+def run_order(systems: list[str], repeat: int) -> list[str]:
+    """The systems in one repeat's order: forwards, then backwards, and so on (each pair runs in both orders)."""
+    return systems if repeat % 2 == 0 else systems[::-1]
+
+
+def throughput(outcome: Outcome) -> float:
+    """New tokens per second of wall time over all of a run's batches."""
+    return sum(map(len, outcome.sequences)) / outcome.seconds
+
+
+def paired_ratio(runs: list[Outcome], baseline_runs: list[Outcome] | None) -> float | None:
+    """The median over repeats of a system's throughput over the baseline's in the same repeat (None without it)."""
+    if not baseline_runs:
+        return None
+    pairs = zip(runs, baseline_runs, strict=False)  # a system that failed part-way has fewer runs
+    return statistics.median(throughput(run) / throughput(baseline) for run, baseline in pairs)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def cell_rows(domain: str, temperature: float, batch_size: int, runs: dict[str, list[Outcome]]) -> list[Row]:
+    """The rows of one cell from every system's runs (in repeat order): the median run, and paired ratios."""
+    outcomes = {system: median_run(system_runs) for system, system_runs in runs.items()}
     plain = outcomes["plain"]
-    plain_throughput = sum(map(len, plain.sequences)) / plain.seconds
-    packed = outcomes.get("plain-packed")
-    packed_throughput = None if packed is None else sum(map(len, packed.sequences)) / packed.seconds
     rows = []
     for system, outcome in outcomes.items():
         new_tokens = sum(map(len, outcome.sequences))
-        throughput = new_tokens / outcome.seconds
         per_request = [len(seq) / latency for seq, latency in zip(outcome.sequences, outcome.latencies, strict=True)]
         identical = ""
         if temperature == 0:
@@ -366,12 +391,12 @@ def cell_rows(domain: str, temperature: float, batch_size: int, outcomes: dict[s
                 domain=domain, temperature=temperature, batch_size=batch_size, system=system,
                 requests=len(outcome.sequences), new_tokens=new_tokens,
                 ttft_ms=round(1000 * statistics.mean(outcome.ttft_seconds), 1),
-                request_tok_s=round(statistics.mean(per_request), 2), throughput_tok_s=round(throughput, 2),
+                request_tok_s=round(statistics.mean(per_request), 2), throughput_tok_s=round(throughput(outcome), 2),
                 p95_latency_s=round(float(torch.tensor(outcome.latencies).quantile(0.95)), 2),
                 tau=round(outcome.tau, 3),
                 acceptance=" ".join("-" if rate is None else f"{rate:.2f}" for rate in outcome.acceptance),
-                speedup=round(throughput / plain_throughput, 3),
-                vs_plain_packed=None if packed_throughput is None else round(throughput / packed_throughput, 3),
+                speedup=round(paired_ratio(runs[system], runs["plain"]), 3),
+                vs_plain_packed=_rounded(paired_ratio(runs[system], runs.get("plain-packed"))),
                 identical=identical, drafters=outcome.drafters, compile_s=round(outcome.compile_seconds, 1),
             )
         )  # fmt: skip
@@ -565,13 +590,13 @@ def main() -> None:
             systems = ["plain"] + [s for s in args.systems if s != "plain" and bench.available(s, batch_size)]
             bench.run("plain", prompts[:1], 1, temperature)  # warm-up
             runs: dict[str, list[Outcome]] = {system: [] for system in systems}
-            for _ in range(args.repeats):  # interleaved, so a slow spell of the host reaches every system alike
-                for system in systems:
+            for repeat in range(args.repeats):  # interleaved, so a slow spell of the host reaches every system alike
+                for system in run_order(systems, repeat):
                     if bench.available(system, batch_size):
                         outcome = bench.run_or_record(system, prompts, batch_size, temperature)
                         runs[system] += [] if outcome is None else [outcome]
-            outcomes = {system: median_run(system_runs) for system, system_runs in runs.items() if system_runs}
-            cell = cell_rows(domain, temperature, batch_size, outcomes)
+            found = {system: system_runs for system, system_runs in runs.items() if system_runs}
+            cell = cell_rows(domain, temperature, batch_size, found)
             for row in cell:
                 print(row)
             rows += cell
@@ -584,7 +609,8 @@ def main() -> None:
     note = (
         f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
         f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens, "
-        f"median of {args.repeats} interleaved runs per system; {log.span()}; "
+        f"median of {args.repeats} interleaved runs per system (ratios: medians of paired ratios, "
+        f"systems in alternating order); {log.span()}; "
         f"{args.note}"
     )
     head = f"head: {DSPARK_HEAD.name}/model.safetensors sha256 {head_digest}"  # the card checks it

@@ -76,3 +76,23 @@ def test_the_sources_digest_follows_generation_code_not_training_code(tmp_path, 
     assert bench_generate.sources_digest() == before
     (package / "generation.py").write_text("STEP = 2\n")
     assert bench_generate.sources_digest() != before
+
+
+def test_paired_ratios_in_alternating_order_cancel_a_steady_drift(monkeypatch):
+    """Three equally fast systems on a host slowing 1% a run: the recorded ratios stay at 1, the median runs' not."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_generate
+
+    systems, runs, clock = ["plain", "plain-packed", "dspark"], {}, 0
+    for repeat in range(4):
+        for system in bench_generate.run_order(systems, repeat):
+            seconds = 10.0 * (1 + 0.01 * clock)
+            outcome = bench_generate.Outcome([[1] * 100], [seconds], seconds, [0.1], 1.0, [], "")
+            runs.setdefault(system, []).append(outcome)
+            clock += 1
+    rows = {row.system: row for row in bench_generate.cell_rows("code", 0.0, 1, runs)}
+    assert abs(rows["dspark"].vs_plain_packed - 1) <= 0.001 and abs(rows["dspark"].speedup - 1) <= 0.001
+    naive = bench_generate.throughput(bench_generate.median_run(runs["dspark"])) / bench_generate.throughput(
+        bench_generate.median_run(runs["plain-packed"])
+    )
+    assert abs(naive - 1) > 0.005
