@@ -36,7 +36,9 @@ conversations of :mod:`spark_generate.copy_heavy` (code returned with a change, 
 reformatted, records converted, earlier answers repeated; multi-turn included), all in the chat
 template with a generation prompt, never seen in training. Each (domain, temperature, batch size)
 cell runs the same prompts (the first ``--prompts``, or one full batch when that is more) through
-every system in left-padded batches, stopping at EOS or ``--max-new-tokens``, ``--repeats`` times
+every system in left-padded batches, stopping at EOS or ``--max-new-tokens`` (sampled cells suppress
+EOS with ``min_new_tokens``, so every system does the same work: a sample that ends early would
+otherwise count as a slower system), ``--repeats`` times
 with the systems interleaved, in alternating order (A B C, C B A, A B C, ...; the run with the
 median time is kept; this host's speed drifts by 5-20% within minutes), and records per system:
 
@@ -279,14 +281,15 @@ class Bench:
             return time.perf_counter() - start
         if system not in PLAIN_SYSTEMS:
             for inputs in {inputs["input_ids"].shape[0]: inputs for inputs in batches}.values():
-                self.generate(system, inputs, {**settings, "max_new_tokens": 1}, seed=0)
+                self.generate(system, inputs, first_token(settings), seed=0)
         return 0.0
 
     def run(self, system: str, prompts: list[list[int]], batch_size: int, temperature: float) -> Outcome:
         """Runs a system over the prompts in batches, timing each batch and its first token."""
         settings = {"max_new_tokens": self.args.max_new_tokens, "pad_token_id": self.pad, "eos_token_id": self.eos}
-        if temperature > 0:
+        if temperature > 0:  # every request samples max_new_tokens: equal work for every system
             settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            settings.update(min_new_tokens=self.args.max_new_tokens)
         else:
             settings.update(do_sample=False)
         batches = [
@@ -300,7 +303,7 @@ class Bench:
         for number, inputs in enumerate(batches):
             seed, width = number * batch_size, inputs["input_ids"].shape[1]
             start = time.perf_counter()
-            self.generate(system, inputs, {**settings, "max_new_tokens": 1}, seed=seed)
+            self.generate(system, inputs, first_token(settings), seed=seed)
             ttft.append(time.perf_counter() - start)
             start = time.perf_counter()
             output, stats = self.generate(system, inputs, settings, seed=seed)
@@ -484,17 +487,22 @@ def domain_prompts(domain: str) -> list[str | copy_heavy.Conversation]:
 
 
 def sources_digest() -> str:
-    """sha256 over the Python sources generation runs: cells measured on other code are not kept.
+    """sha256 over the Python sources generation runs and this benchmark: cells measured otherwise are not kept.
 
     That is the ``spark_generate`` package without ``training/``, which nothing in generation
     imports (the layering test keeps it so), so that a recording can span sessions of training work.
     """
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(Path(__file__).read_bytes())
     package = Path(spark_generate.__file__).parent
     for path in sorted(package.rglob("*.py")):
         if path.relative_to(package).parts[0] != "training":
             digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def first_token(settings: dict) -> dict:
+    """``settings`` for a one-token call (time to first token, warm-up): no ``min_new_tokens`` beyond it."""
+    return {**settings, "max_new_tokens": 1, "min_new_tokens": 0}
 
 
 class CellLog:

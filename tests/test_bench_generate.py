@@ -61,8 +61,8 @@ def test_cells_of_other_settings_head_or_sources_are_not_kept(tmp_path, monkeypa
         assert other.rows("copy", 1.0, 4) is None and other.failures == {}
 
 
-def test_the_sources_digest_follows_generation_code_not_training_code(tmp_path, monkeypatch):
-    """A recording spans sessions of training work: only a change outside ``training/`` starts it over."""
+def test_the_sources_digest_follows_generation_code_and_the_benchmark_not_training_code(tmp_path, monkeypatch):
+    """A recording spans training work: a change outside ``training/``, or to the benchmark, starts it over."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_generate
 
@@ -71,11 +71,17 @@ def test_the_sources_digest_follows_generation_code_not_training_code(tmp_path, 
     for name, text in (("__init__.py", ""), ("generation.py", "STEP = 1\n"), ("training/recipe.py", "LR = 1\n")):
         (package / name).write_text(text)
     monkeypatch.setattr(bench_generate, "spark_generate", SimpleNamespace(__file__=str(package / "__init__.py")))
+    benchmark = tmp_path / "bench_generate.py"
+    benchmark.write_text("REPEATS = 1\n")
+    monkeypatch.setattr(bench_generate, "__file__", str(benchmark))
     before = bench_generate.sources_digest()
     (package / "training" / "recipe.py").write_text("LR = 2\n")
     assert bench_generate.sources_digest() == before
     (package / "generation.py").write_text("STEP = 2\n")
-    assert bench_generate.sources_digest() != before
+    changed = bench_generate.sources_digest()
+    assert changed != before
+    benchmark.write_text("REPEATS = 2\n")
+    assert bench_generate.sources_digest() != changed
 
 
 def test_paired_ratios_in_alternating_order_cancel_a_steady_drift(monkeypatch):
