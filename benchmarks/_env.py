@@ -13,6 +13,8 @@ import torch
 import transformers
 from transformers import LlamaConfig
 
+from spark_generate.config import processor_name
+
 
 def smollm2_shaped_config(**overrides: object) -> LlamaConfig:
     """A Llama config of SmolLM2-135M-Instruct's shape (random weights stand in for the real model)."""
@@ -49,15 +51,7 @@ def hardware(device: torch.device) -> str:
     """A one-line description of the device the benchmark ran on."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    return f"{processor_name()}, {torch.get_num_threads()} threads"
 
 
 def provenance(device: torch.device) -> dict[str, str]:

@@ -70,8 +70,11 @@ shape, minutes each.
 A run longer than a working session is taken in parts: ``--max-minutes`` stops after the cell during
 which the budget ran out (each call measures at least one), every
 finished cell is kept in ``generate_smollm2_cpu.cells.json`` (written atomically, with the run's
-settings, the head's digest and a digest of the ``spark_generate`` sources but ``training/``), and the
-same command continues with the next cell; a run of other settings, another head or changed sources starts over.
+settings, the head's digest, a digest of the ``spark_generate`` sources but ``training/`` and the
+processor), and the same command continues with the next cell; a run of other settings, another head
+or changed sources starts over. A session on another processor starts that processor's own
+recording beside the first (never mixing machines in one table) and continues it when it gets that
+processor again.
 Every ratio is taken within a cell, whose systems always run in one process.
 
     python benchmarks/bench_generate.py                      # one run per system per cell
@@ -93,7 +96,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _env import write_results
+from _env import hardware, write_results
 from tqdm.auto import tqdm
 from transformers import CompileConfig
 
@@ -508,9 +511,14 @@ def first_token(settings: dict) -> dict:
 class CellLog:
     """The finished cells of a run, kept on disk so that a run can span sessions.
 
+    A session may get another machine than the last: the file keeps one recording per machine
+    (``key["hardware"]``), so cells of different processors are never mixed in one table, and
+    each machine's part continues when a later session gets that machine again.
+
     Args:
         path: The JSON file (replaced atomically after every cell).
-        key: What the cells were measured with; a file of another key is set aside and the run starts over.
+        key: What the cells are measured with and on; recordings of other settings, head or sources
+            are dropped, those of other hardware kept.
     """
 
     def __init__(self, path: Path, key: dict):
@@ -518,12 +526,18 @@ class CellLog:
         self.cells: dict[str, list[dict]] = {}
         self.failures: dict[str, str] = {}
         self.finished: dict[str, str] = {}  # cell -> when it finished (UTC)
-        if path.exists():
-            saved = json.loads(path.read_text())
+        self.elsewhere: list[dict] = []  # the recordings of the same run on other hardware
+        recordings = json.loads(path.read_text()).get("recordings", []) if path.exists() else []
+        stale = 0
+        for saved in recordings:
             if saved["key"] == self.key:
                 self.cells, self.failures, self.finished = saved["cells"], saved["failures"], saved["finished"]
+            elif {**saved["key"], "hardware": None} == {**self.key, "hardware": None}:
+                self.elsewhere.append(saved)
             else:
-                print(f"{path} holds cells of other settings, head or sources: starting over")
+                stale += 1
+        if stale:
+            print(f"{path} holds cells of other settings, head or sources: those start over")
 
     @staticmethod
     def name(domain: str, temperature: float, batch_size: int) -> str:
@@ -544,7 +558,7 @@ class CellLog:
         self.failures = dict(failures)
         record = {"key": self.key, "cells": self.cells, "failures": self.failures, "finished": self.finished}
         temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_text(json.dumps(record) + "\n")
+        temporary.write_text(json.dumps({"recordings": [*self.elsewhere, record]}) + "\n")
         os.replace(temporary, self.path)
 
     def span(self) -> str:
@@ -581,7 +595,10 @@ def main() -> None:
     stem = args.output / "generate_smollm2_cpu"
     head_digest = hashlib.sha256((DSPARK_HEAD / "model.safetensors").read_bytes()).hexdigest()
     settings = {key: value for key, value in vars(args).items() if key not in ("output", "note", "max_minutes")}
-    key = {"settings": settings, "head_sha256": head_digest, "sources_sha256": sources_digest()}
+    key = {
+        "settings": settings, "head_sha256": head_digest, "sources_sha256": sources_digest(),
+        "hardware": hardware(torch.device("cpu")),
+    }  # fmt: skip
     args.output.mkdir(parents=True, exist_ok=True)
     log = CellLog(stem.with_suffix(".cells.json"), key)
     bench.failures.update(log.failures)

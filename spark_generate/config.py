@@ -28,9 +28,13 @@ Worked example for a 36-layer target with the default five taps::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import platform
 import warnings
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -43,6 +47,20 @@ DEFAULT_NUM_DRAFT_LAYERS = 5
 """Number of draft decoder layers ``N_d`` (paper, Table 1)."""
 DEFAULT_SAMPLE_FROM_ANCHOR = True
 """Slot convention of new heads: anchor-first, as in the paper, DeepSpec and vLLM."""
+
+
+def cache_folder() -> Path:
+    """Where spark_generate caches what it measures: ``$SPARK_GENERATE_CACHE`` or ``~/.cache/spark_generate``."""
+    return Path(os.environ.get("SPARK_GENERATE_CACHE", Path.home() / ".cache" / "spark_generate"))
+
+
+def processor_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else the platform's): part of the keys of what is measured."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 class DSparkConfigError(ValueError):

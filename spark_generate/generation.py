@@ -204,8 +204,9 @@ def decode(
             :class:`~spark_generate.drafting.HeadDrafter` (the head still names the tapped layers
             and the block size); for tests and other drafters.
         dspark_pack_linears: Run the float32 CPU linear layers of the target and head through
-            oneDNN with pre-packed weights (:mod:`spark_generate.packing`); None: on a CPU for a
-            float32 target, unless ``SPARK_GENERATE_PACK_LINEARS=0``.
+            oneDNN with pre-packed weights (:mod:`spark_generate.packing`) from the row counts at
+            which that measured faster on this machine; None: on a CPU for a float32 target,
+            unless ``SPARK_GENERATE_PACK_LINEARS=0``.
         dspark_suffix: Suffix drafting (:mod:`spark_generate.suffix`) beside the head, chosen
             per row and round by the schedule: None or True on (:data:`SUFFIX_BY_DEFAULT`), a
             :class:`~spark_generate.suffix.CorpusIndex` on with that corpus of earlier texts,

@@ -133,8 +133,9 @@ class DSparkForCausalLM(nn.Module):
                 default: :class:`~spark_generate.schedule.AdaptiveSchedule` with the head's
                 :attr:`~spark_generate.heads.DSparkHead.sts_temperatures`.
             pack_linears: Run the float32 CPU linear layers of the model and head through oneDNN
-                with pre-packed weights while speculating (:mod:`spark_generate.packing`); None:
-                on a CPU for a float32 model.
+                with pre-packed weights while speculating, from the row counts at which that
+                measured faster on this machine (:mod:`spark_generate.packing`); None: on a CPU
+                for a float32 model.
             suffix: Suffix drafting from what the prompt and the output already hold
                 (:mod:`spark_generate.suffix`), chosen per row and round beside the head: None or
                 True on (the default), a :class:`~spark_generate.suffix.CorpusIndex` on with that

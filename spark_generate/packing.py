@@ -1,14 +1,27 @@
 """Float32 linear layers on a CPU, run through oneDNN with pre-packed weights while decoding.
 
 On a CPU, speculation pays only if a target forward over a few tokens costs little more than over
-one. PyTorch's float32 ``linear`` does not give that: it calls the BLAS ``sgemm``, whose kernels for
-2-8 rows cost up to twice those for one (on a 2-core AMD EPYC with MKL 2024, SmolLM2-135M: one token
-61.6 ms, two 113.9 ms, eight 117.5 ms), so a round must emit about two tokens to break even.
-oneDNN's inner-product primitive on weights reordered once into its blocked layout (what
-``torch.compile`` emits for frozen CPU models) costs about as much for 2 rows as for 1, and less
-than ``sgemm`` even for 1 (the 576 × 49,152 LM head: 4.4 ms against 9.5 ms for one row, 4.5 ms
-against 20.7 ms for two). :func:`packed_linears` routes the ``nn.Linear`` layers of the target and
-the head through it for the duration of a generation.
+one. PyTorch's float32 ``linear`` does not always give that: it calls the BLAS ``sgemm``, whose
+kernels for 2-8 rows can cost up to twice those for one (on a 2-core AMD EPYC with MKL 2024,
+SmolLM2-135M: one token 61.6 ms, two 113.9 ms, eight 117.5 ms), so a round must emit about two
+tokens to break even. oneDNN's inner-product primitive on weights reordered once into its blocked
+layout (what ``torch.compile`` emits for frozen CPU models) costs about as much for 2 rows as for 1,
+and there less than ``sgemm`` even for 1 (the 576 × 49,152 LM head: 4.4 ms against 9.5 ms for one
+row, 4.5 ms against 20.7 ms for two). :func:`packed_linears` routes the ``nn.Linear`` layers of the
+target and the head through it for the duration of a generation.
+
+Which kernel is faster depends on the machine and the number of rows: on a 2-core Intel Xeon
+(AVX-512, AMX) the same MKL ``sgemm`` beats the packed kernel at 1-2 rows (SmolLM2's 576 × 1,536
+MLP projection: 52 µs against 71 µs for one row) and loses from about 8 (136 µs against 120 µs;
+455 µs against 155 µs at 16). So each packed module (the target, the head) times a pass over all
+of its linears, in order and on its own weights, with ``sgemm`` and packed at each row count of
+``CROSSOVER_ROWS`` (powers of two), and a forward over ``rows`` input rows (batch × tokens) runs
+packed only if the packed pass was at least as fast at the largest of those counts not above
+``rows``. That is measured once per machine and set of layer shapes (a few seconds for SmolLM2)
+and cached as JSON under ``$SPARK_GENERATE_CACHE/packing``, keyed by processor, thread count and
+torch version, so that every later generation on the machine dispatches identically; a module
+whose packed pass won at no count is not routed at all. With ``SPARK_GENERATE_PROFILE=0`` nothing
+is measured and every row count runs packed.
 
 What changes is the order of float32 additions inside each dot product, not the function: logits
 move by rounding (about 1e-4 on SmolLM2's logits, argmax unchanged on every prompt position we
@@ -41,16 +54,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
+import json
 import os
+import statistics
+import tempfile
 import threading
+import time
 import types
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["clear_packed_linears", "packed_linears", "packing_supported", "resolve_pack_linears"]
+from spark_generate.config import cache_folder, processor_name
+
+__all__ = ["clear_packed_linears", "packed_linears", "packed_row_counts", "packing_supported", "resolve_pack_linears"]
 
 # A weight's fingerprint when packed: data pointer, version counter, checksum of its bits.
 Fingerprint = tuple[int, int, tuple[int, int]]
@@ -60,10 +80,15 @@ _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[Fingerprint, torch.Tensor]] 
 _USERS: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # Guards _PACKED and _USERS, and the installing and removing of dispatchers.
 _LOCK = threading.RLock()
-# The packed weights of the layers the current call packs (empty for calls that do not pack).
-_ROUTES: contextvars.ContextVar[Mapping[nn.Linear, torch.Tensor]] = contextvars.ContextVar(
+# Per layer the current call packs: its packed weight and, per count of CROSSOVER_ROWS, whether
+# that many input rows (up to the next count) run packed (empty for calls that do not pack).
+_ROUTES: contextvars.ContextVar[Mapping[nn.Linear, tuple[torch.Tensor, tuple[bool, ...]]]] = contextvars.ContextVar(
     "spark_generate_packed_routes", default=types.MappingProxyType({})
 )
+# Per (threads, digest of the layers' shapes): whether the packed pass won, per count of CROSSOVER_ROWS.
+_PACKED_WINS: dict[tuple[int, str], tuple[bool, ...]] = {}
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts (1, 2, 4, ...) at which both passes are timed per module
+CROSSOVER_REPEATS = 5  # timings of each pass per row count (the median counts), in alternating order
 
 
 @functools.cache
@@ -125,19 +150,21 @@ def packed_linears(*modules: nn.Module, enabled: bool = True) -> Iterator[int]:
         enabled: If False, does nothing (so callers need no second code path).
 
     Yields:
-        How many layers were packed here.
+        How many layers this call routes through packed kernels (none of a module whose packed
+        kernels measured slower than ``sgemm`` at every row count).
     """
     outer = _ROUTES.get()
-    routes: dict[nn.Linear, torch.Tensor] = {}
+    routes: dict[nn.Linear, tuple[torch.Tensor, tuple[bool, ...]]] = {}
     if enabled:
         with _LOCK:
-            for module in modules:
-                for layer in module.modules():
-                    if layer not in outer and layer not in routes and _qualifies(layer):
-                        routes[layer] = _packed_weight(layer)
-                        _USERS[layer] = _USERS.get(layer, 0) + 1
-                        if _USERS[layer] == 1:
-                            layer.forward = functools.partial(_dispatch_forward, layer)
+            for layers in _module_layers(modules, skip=outer):  # the target, the head: each its own counts
+                wins = _packed_wins(layers) if layers else ()
+                if any(wins):  # else sgemm at every row count: nothing to route
+                    routes.update((layer, (_packed_weight(layer), wins)) for layer in layers)
+            for layer in routes:
+                _USERS[layer] = _USERS.get(layer, 0) + 1
+                if _USERS[layer] == 1:
+                    layer.forward = functools.partial(_dispatch_forward, layer)
     token = _ROUTES.set({**outer, **routes}) if routes else None
     try:
         yield len(routes)
@@ -151,9 +178,33 @@ def packed_linears(*modules: nn.Module, enabled: bool = True) -> Iterator[int]:
                     del _USERS[layer], layer.forward
 
 
+def packed_row_counts(*modules: nn.Module) -> list[list[int]]:
+    """Per module, the counts of ``CROSSOVER_ROWS`` from which a packed generation runs its linears packed.
+
+    Measured now if this machine has not measured these layers yet; what a cost table measured
+    under packing depends on. Empty for a module with no layer to pack.
+    """
+    with _LOCK:
+        return [
+            [rows for rows, won in zip(CROSSOVER_ROWS, _packed_wins(layers), strict=True) if won] if layers else []
+            for layers in _module_layers(modules, skip=())
+        ]
+
+
 def clear_packed_linears() -> None:
     """Frees every cached packed weight (they are packed again at the next generation)."""
     _PACKED.clear()
+
+
+def _module_layers(modules: tuple[nn.Module, ...], skip: Mapping[nn.Linear, object]) -> list[list[nn.Linear]]:
+    """Per module, its layers that qualify for packing, less those in ``skip`` or listed for an earlier module."""
+    seen: set[nn.Module] = set(skip)
+    groups = []
+    for module in modules:
+        layers = [layer for layer in module.modules() if layer not in seen and _qualifies(layer)]
+        seen.update(layers)
+        groups.append(layers)
+    return groups
 
 
 def _qualifies(layer: nn.Module) -> bool:
@@ -195,7 +246,92 @@ def _dispatch_forward(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
 
     ``F.linear`` also when gradients are on or the input is not float32 on the CPU.
     """
-    packed = _ROUTES.get().get(layer)
-    if packed is None or torch.is_grad_enabled() or inputs.dtype != torch.float32 or inputs.device.type != "cpu":
+    route = _ROUTES.get().get(layer)
+    if (
+        route is None
+        or torch.is_grad_enabled()
+        or inputs.dtype != torch.float32
+        or inputs.device.type != "cpu"
+        or not route[1][min((inputs.numel() // inputs.shape[-1]).bit_length(), len(CROSSOVER_ROWS)) - 1]
+    ):
         return nn.functional.linear(inputs, layer.weight, layer.bias)
-    return torch.ops.mkldnn._linear_pointwise(inputs, packed, layer.bias, "none", [], "")
+    return _packed_linear(inputs, route[0], layer.bias)
+
+
+def _packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The inner product of ``inputs`` ``[..., in]`` with a oneDNN-packed ``[out, in]`` weight: ``[..., out]``."""
+    return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
+
+
+def _packed_wins(layers: list[nn.Linear]) -> tuple[bool, ...]:
+    """Per count of ``CROSSOVER_ROWS``, whether these layers run packed from it on (call under ``_LOCK``).
+
+    Looked up by the layers' shapes (in order) in memory, then in the cache file of this processor,
+    thread count and torch version; shapes found in neither are timed (:func:`_time_passes`) and
+    added to the file (written atomically). Layers that are never to run packed keep no packed
+    copy. ``SPARK_GENERATE_PROFILE=0``: packed at every count, without measuring.
+    """
+    if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
+        return (True,) * len(CROSSOVER_ROWS)
+    shapes = ",".join(f"{layer.out_features}x{layer.in_features}" for layer in layers)
+    name = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    memo = (torch.get_num_threads(), name)
+    if memo not in _PACKED_WINS:
+        key = {"processor": processor_name(), "threads": memo[0], "torch": torch.__version__}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        path = cache_folder() / "packing" / f"{digest}.json"
+        try:
+            measured = json.loads(path.read_text())["packed_from"]
+        except (OSError, ValueError, KeyError, TypeError):
+            measured = {}  # none yet, or damaged: measured again and replaced
+        if not isinstance(measured.get(name), list):
+            wins = _time_passes([(layer.weight.detach(), _packed_weight(layer)) for layer in layers])
+            measured[name] = [rows for rows, won in zip(CROSSOVER_ROWS, wins, strict=True) if won]
+            if not any(wins):
+                for layer in layers:
+                    _PACKED.pop(layer, None)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+                json.dump({"key": key, "packed_from": measured}, handle, indent=2)
+            os.replace(handle.name, path)
+        _PACKED_WINS[memo] = tuple(rows in measured[name] for rows in CROSSOVER_ROWS)
+    return _PACKED_WINS[memo]
+
+
+@torch.no_grad()
+def _time_passes(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bool, ...]:
+    """Per count of ``CROSSOVER_ROWS``, whether a packed pass over these layers is as fast as an ``sgemm`` pass.
+
+    A pass runs all the layers, in order, as a forward streams them (for a model larger than the
+    processor's caches, from memory: a single layer timed alone would sit in the cache and favour
+    another kernel); the two passes alternate, after one untimed pass each, and the medians of
+    ``CROSSOVER_REPEATS`` timings are compared.
+
+    Args:
+        weights: Per layer, its float32 weight ``[out, in]`` and the same weight in oneDNN's layout.
+
+    Returns:
+        One flag per count of ``CROSSOVER_ROWS``.
+    """
+    generator = torch.Generator().manual_seed(0)
+    wins = []
+    for rows in CROSSOVER_ROWS:
+        inputs = {size: torch.randn(rows, size, generator=generator) for size in {w.shape[1] for w, _ in weights}}
+
+        def sgemm_pass(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for weight, _ in weights:
+                nn.functional.linear(inputs[weight.shape[1]], weight)
+
+        def packed_pass(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for weight, packed in weights:
+                _packed_linear(inputs[weight.shape[1]], packed, None)
+
+        seconds: dict[Callable[[], None], list[float]] = {sgemm_pass: [], packed_pass: []}
+        sgemm_pass(), packed_pass()  # oneDNN creates its primitive for each shape at the first call
+        for repeat in range(CROSSOVER_REPEATS):
+            for kernel in (sgemm_pass, packed_pass) if repeat % 2 else (packed_pass, sgemm_pass):
+                start = time.perf_counter()
+                kernel()
+                seconds[kernel].append(time.perf_counter() - start)
+        wins.append(statistics.median(seconds[packed_pass]) <= statistics.median(seconds[sgemm_pass]))
+    return tuple(wins)

@@ -35,10 +35,11 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from spark_generate.cache import FeatureTap, target_forward
+from spark_generate.config import cache_folder, processor_name
 from spark_generate.drafting import DraftBlock, DraftContext, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
-from spark_generate.packing import packed_linears, resolve_pack_linears
+from spark_generate.packing import packed_linears, packed_row_counts, resolve_pack_linears
 from spark_generate.rows import RowPrefixes, Sampling
 from spark_generate.schedule import CostTable
 from spark_generate.verify import verify_block
@@ -49,11 +50,6 @@ __all__ = ["cache_folder", "cost_table_for", "profile_costs"]
 _PROFILING_LOCK = threading.Lock()
 CONTEXT_LENGTH = 64  # prompt tokens per row of the measurement
 LONG_CONTEXT_LENGTH = 512  # ... and of the second one, for the costs' growth with the context
-
-
-def cache_folder() -> Path:
-    """Where spark_generate caches what it measures: ``$SPARK_GENERATE_CACHE`` or ``~/.cache/spark_generate``."""
-    return Path(os.environ.get("SPARK_GENERATE_CACHE", Path.home() / ".cache" / "spark_generate"))
 
 
 @torch.no_grad()
@@ -236,7 +232,8 @@ def cost_table_for(
     without a head).
 
     Keyed and profiled with the linear layers packed or not as the generation will run them
-    (``pack_linears`` as in :func:`~spark_generate.packing.resolve_pack_linears`). With
+    (``pack_linears`` as in :func:`~spark_generate.packing.resolve_pack_linears`, and the row
+    counts that run packed, :func:`~spark_generate.packing.packed_row_counts`). With
     ``SPARK_GENERATE_PROFILE=0`` returns :meth:`CostTable.estimate` without measuring.
     """
     device = next(model.parameters()).device
@@ -245,6 +242,8 @@ def cost_table_for(
         return CostTable.estimate(device.type, batch_size * (num_drafts + 1))
     pack = resolve_pack_linears(model, pack_linears)
     key = {**_machine_key(model, head, batch_size, device), "greedy": greedy, "packed_linears": pack}
+    if pack:  # the row counts that run packed on this machine
+        key["packed_from"] = packed_row_counts(model, *([] if head is None else [head]))
     key["context_lengths"] = [CONTEXT_LENGTH, LONG_CONTEXT_LENGTH]
     if head is None or num_drafts != head.config.num_draft_tokens:  # keys of head-only tables stay as they were
         key["num_drafts"] = num_drafts
@@ -271,7 +270,7 @@ def _machine_key(
     model: PreTrainedModel, head: DSparkHead | None, batch_size: int, device: torch.device
 ) -> dict[str, object]:
     """What a cost table depends on: the target, the head, the dtype, the device and the threads."""
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type}: {processor_name()}"
     return {
         "target": type(model).__name__,
         "target_config": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest(),

@@ -8,6 +8,7 @@ import csv
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ def _bench(tmp_path, *extra):
 def test_a_benchmark_stopped_at_its_budget_continues_with_the_next_cell(tmp_path):
     first = _bench(tmp_path, "--max-minutes", "0.001")
     assert first.returncode != 0 and "1 of 2 cells done" in first.stderr, first.stderr[-2000:]
-    log = json.loads((tmp_path / "generate_smollm2_cpu.cells.json").read_text())
+    [log] = json.loads((tmp_path / "generate_smollm2_cpu.cells.json").read_text())["recordings"]
     assert list(log["cells"]) == ["code/T=0/batch=1"] and not (tmp_path / "generate_smollm2_cpu.csv").exists()
     second = _bench(tmp_path, "--max-minutes", "0.001")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -40,7 +41,7 @@ def test_a_benchmark_stopped_at_its_budget_continues_with_the_next_cell(tmp_path
     assert any("cells finished" in line for line in lines if line.startswith("#"))
 
 
-def test_cells_of_other_settings_head_or_sources_are_not_kept(tmp_path, monkeypatch):
+def test_cells_of_other_settings_head_or_sources_are_not_kept_those_of_other_machines_are(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_generate
 
@@ -49,16 +50,28 @@ def test_cells_of_other_settings_head_or_sources_are_not_kept(tmp_path, monkeypa
         request_tok_s=1.0, throughput_tok_s=1.0, p95_latency_s=1.0, tau=1.0, acceptance="", speedup=1.0,
         vs_plain_packed=None, identical="", drafters="", compile_s=0.0,
     )  # fmt: skip
-    key = {"settings": {"repeats": 3}, "head_sha256": "a", "sources_sha256": bench_generate.sources_digest()}
+    key = {
+        "settings": {"repeats": 3}, "head_sha256": "a", "sources_sha256": bench_generate.sources_digest(),
+        "hardware": "AMD EPYC, 2 threads",
+    }  # fmt: skip
     log = bench_generate.CellLog(tmp_path / "cells.json", key)
     assert log.rows("copy", 1.0, 4) is None and log.span() == "no cell finished"
     log.add([row], {"plain-compiled": "no compiler"})
     kept = bench_generate.CellLog(tmp_path / "cells.json", key)
     assert kept.rows("copy", 1.0, 4) == [row] and kept.failures == {"plain-compiled": "no compiler"}
     assert kept.rows("copy", 0.0, 4) is None
+    intel = bench_generate.CellLog(tmp_path / "cells.json", {**key, "hardware": "Intel Xeon, 2 threads"})
+    assert intel.rows("copy", 1.0, 4) is None and intel.failures == {}  # another machine: its own recording
+    intel.add([replace(row, tau=2.0)], {})
+    for hardware, tau in (("AMD EPYC, 2 threads", 1.0), ("Intel Xeon, 2 threads", 2.0)):  # both kept
+        machine = bench_generate.CellLog(tmp_path / "cells.json", {**key, "hardware": hardware})
+        [kept_row] = machine.rows("copy", 1.0, 4)
+        assert kept_row.tau == tau
     for changed in ({"settings": {"repeats": 1}}, {"head_sha256": "b"}, {"sources_sha256": "c"}):
         other = bench_generate.CellLog(tmp_path / "cells.json", {**key, **changed})
         assert other.rows("copy", 1.0, 4) is None and other.failures == {}
+    other.add([row], {})  # a new run drops the recordings of the old one, on every machine
+    assert bench_generate.CellLog(tmp_path / "cells.json", key).rows("copy", 1.0, 4) is None
 
 
 def test_the_sources_digest_follows_generation_code_and_the_benchmark_not_training_code(tmp_path, monkeypatch):

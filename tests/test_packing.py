@@ -8,6 +8,7 @@ that whole blocks are accepted, and the adaptive schedule's plain steps).
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +22,15 @@ from spark_generate import DSparkForCausalLM, decode, packed_linears
 from spark_generate.profiling import cache_folder, cost_table_for, profile_costs
 
 pytestmark = pytest.mark.skipif(not packing.packing_supported(), reason="this PyTorch build has no oneDNN linear")
+
+
+@pytest.fixture(autouse=True)
+def every_row_packed(monkeypatch):
+    """Packed layers run their packed kernels at every row count, whatever this machine measures.
+
+    So that these tests exercise the packed path everywhere; the crossover tests measure (mocked).
+    """
+    monkeypatch.setenv("SPARK_GENERATE_PROFILE", "0")
 
 
 def tiny_target(architecture: str = "llama"):
@@ -147,6 +157,98 @@ def test_packing_belongs_to_the_call_not_the_layer():
     assert not layers_with_own_forward(layer)
 
 
+FROM_FOUR = (False, False, True, True, True, True, True)  # packed wins from 4 rows on (CROSSOVER_ROWS)
+AT_TWO_ENDS = (True, True, False, False, False, False, True)  # ... at 1 and 2 rows, and from 64
+
+
+@pytest.fixture
+def crossover(monkeypatch, tmp_path):
+    """The row counts that ran packed and the shapes timed (packed winning ``FROM_FOUR``), from a fresh cache."""
+    monkeypatch.delenv("SPARK_GENERATE_PROFILE")
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(packing, "_PACKED_WINS", {})
+    packed_calls, timed = [], []
+    packed_linear = packing._packed_linear
+    monkeypatch.setattr(
+        packing, "_packed_linear", lambda inputs, *args: packed_calls.append(inputs.numel() // inputs.shape[-1])
+        or packed_linear(inputs, *args),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        packing, "_time_passes", lambda weights: timed.append([tuple(w.shape) for w, _ in weights]) or FROM_FOUR
+    )
+    return packed_calls, timed
+
+
+def test_each_module_runs_packed_at_the_row_counts_where_it_measured_faster(crossover, monkeypatch):
+    packed_calls, timed = crossover
+    torch.manual_seed(0)
+    model, head = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 24)), nn.Linear(24, 8)
+    with torch.no_grad(), packed_linears(model, head):
+        for shape in [(1, 40), (3, 40), (1, 3, 40), (4, 40), (2, 3, 40), (200, 40)]:
+            inputs = torch.randn(shape)
+            output = model[0](inputs)
+            torch.testing.assert_close(output, nn.functional.linear(inputs, model[0].weight, model[0].bias))
+            if shape[0] * (shape[1] if len(shape) == 3 else 1) < 4:
+                assert torch.equal(output, nn.functional.linear(inputs, model[0].weight, model[0].bias))  # sgemm
+    assert packed_calls == [4, 6, 200]  # rows (batch × tokens) of the counts where packed won, and above
+    assert timed == [[(24, 40), (24, 24)], [(8, 24)]]  # once per module, over its layers in order
+    [path] = (cache_folder() / "packing").glob("*.json")
+    saved = json.loads(path.read_text())
+    assert list(saved["packed_from"].values()) == [[4, 8, 16, 32, 64]] * 2
+    assert saved["key"]["threads"] == torch.get_num_threads()
+    packing._PACKED_WINS.clear()  # a new process: reads the file, measures nothing
+    with torch.no_grad(), packed_linears(model, head):
+        pass
+    assert len(timed) == 2
+    path.write_text("{damaged")  # measured again and replaced
+    packing._PACKED_WINS.clear()
+    monkeypatch.setattr(packing, "_time_passes", lambda weights: timed.append(len(weights)) or AT_TWO_ENDS)
+    with torch.no_grad(), packed_linears(model):
+        packed_calls.clear()
+        for rows in (1, 2, 3, 4, 16, 63, 64, 1000):  # now packed at 1-3 (the counts 1 and 2) and from 64 rows
+            model[0](torch.randn(rows, 40))
+    assert timed[2:] == [2] and list(json.loads(path.read_text())["packed_from"].values()) == [[1, 2, 64]]
+    assert packed_calls == [1, 2, 3, 64, 1000]
+    monkeypatch.setenv("SPARK_GENERATE_PROFILE", "0")  # nothing measured: packed at every row count
+    packed_calls.clear()
+    with torch.no_grad(), packed_linears(model):
+        model[0](torch.randn(5, 40))
+    assert packed_calls == [5] and len(timed) == 3
+
+
+def test_a_module_whose_packed_kernels_never_win_is_not_routed_and_keeps_no_copies(crossover, monkeypatch):
+    packed_calls, timed = crossover
+    monkeypatch.setattr(packing, "_time_passes", lambda weights: timed.append(len(weights)) or (False,) * 7)
+    packing.clear_packed_linears()
+    model, head = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 24)), nn.Linear(24, 8)
+    with torch.no_grad(), packed_linears(model, head) as num_packed:
+        assert num_packed == 0 and not layers_with_own_forward(model) and not layers_with_own_forward(head)
+        model(torch.randn(64, 40))
+    assert timed == [2, 1] and not packed_calls and len(packing._PACKED) == 0
+    with torch.no_grad(), packed_linears(model, head) as num_packed:  # known now: nothing timed or packed
+        assert num_packed == 0
+    assert timed == [2, 1] and len(packing._PACKED) == 0
+
+
+@pytest.mark.parametrize("slow_below", [0, 8, 65])
+def test_the_passes_are_timed_at_every_row_count(monkeypatch, slow_below):
+    """Against packed kernels that sleep 2 ms below ``slow_below`` rows and return at once from it."""
+    layers = [nn.Linear(256, 256), nn.Linear(256, 128)]
+    weights = [
+        (layer.weight.detach(), torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
+        for layer in layers
+    ]
+    fake = torch.zeros(64, 256)
+
+    def packed_linear(inputs, packed, bias):
+        if len(inputs) < slow_below:
+            time.sleep(0.002)
+        return fake
+
+    monkeypatch.setattr(packing, "_packed_linear", packed_linear)
+    assert packing._time_passes(weights) == tuple(rows >= slow_below for rows in packing.CROSSOVER_ROWS)
+
+
 def test_the_memory_guard_counts_half_of_the_free_memory_and_only_unpacked_layers(monkeypatch):
     target = tiny_target()
     packing.clear_packed_linears()
@@ -198,7 +300,9 @@ def test_packed_generation_matches_plain_greedy(architecture, batch_size):
     assert not layers_with_own_forward(target) and not layers_with_own_forward(head)
 
 
-def test_the_model_api_and_cost_tables_know_the_packing():
+def test_the_model_api_and_cost_tables_know_the_packing(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPARK_GENERATE_PROFILE")  # cost tables measured, in a cache of this test's own
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
     target = tiny_target()
     head = tiny_head(target)
     model = DSparkForCausalLM(target)
@@ -211,6 +315,8 @@ def test_the_model_api_and_cost_tables_know_the_packing():
     tables = {pack: cost_table_for(target, head, 2, greedy=True, pack_linears=pack) for pack in (True, False)}
     keys = [json.loads(path.read_text())["key"] for path in (cache_folder() / "costs").glob("*.json")]
     assert {key["packed_linears"] for key in keys if key["batch_size"] == 2} == {True, False}
+    packed_from = [key["packed_from"] for key in keys if key["packed_linears"]]
+    assert packed_from and all(counts == packing.packed_row_counts(target, head) for counts in packed_from)
     assert all(table.num_tokens == tables[True].num_tokens for table in tables.values())
 
 
