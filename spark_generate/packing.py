@@ -179,10 +179,10 @@ def packed_linears(*modules: nn.Module, enabled: bool = True) -> Iterator[int]:
 
 
 def packed_row_counts(*modules: nn.Module) -> list[list[int]]:
-    """Per module, the counts of ``CROSSOVER_ROWS`` from which a packed generation runs its linears packed.
+    """Per module, the counts of ``CROSSOVER_ROWS`` at which (up to the next count) its linears run packed.
 
     Measured now if this machine has not measured these layers yet; what a cost table measured
-    under packing depends on. Empty for a module with no layer to pack.
+    under packing depends on. Empty for a module with no layer to pack, or none that wins.
     """
     with _LOCK:
         return [
@@ -327,7 +327,8 @@ def _time_passes(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[bool
                 _packed_linear(inputs[weight.shape[1]], packed, None)
 
         seconds: dict[Callable[[], None], list[float]] = {sgemm_pass: [], packed_pass: []}
-        sgemm_pass(), packed_pass()  # oneDNN creates its primitive for each shape at the first call
+        sgemm_pass()  # untimed: oneDNN creates its primitive for each shape at the first call
+        packed_pass()
         for repeat in range(CROSSOVER_REPEATS):
             for kernel in (sgemm_pass, packed_pass) if repeat % 2 else (packed_pass, sgemm_pass):
                 start = time.perf_counter()
