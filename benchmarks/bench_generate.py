@@ -291,8 +291,9 @@ class Bench:
         """Runs a system over the prompts in batches, timing each batch and its first token."""
         settings = {"max_new_tokens": self.args.max_new_tokens, "pad_token_id": self.pad, "eos_token_id": self.eos}
         if temperature > 0:  # every request samples max_new_tokens: equal work for every system
-            settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-            settings.update(min_new_tokens=self.args.max_new_tokens)
+            settings.update(
+                do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_new_tokens=self.args.max_new_tokens
+            )
         else:
             settings.update(do_sample=False)
         batches = [

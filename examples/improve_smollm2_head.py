@@ -83,8 +83,8 @@ import train_smollm2_head as recipe
 from tqdm.auto import tqdm
 
 from spark_generate import packed_linears, prompt_sets, zoo
+from spark_generate.config import cache_folder, write_json_atomically
 from spark_generate.heads import DSparkHead
-from spark_generate.profiling import cache_folder
 from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_teacher_forced_decoding, plot_history
@@ -94,7 +94,7 @@ from spark_generate.training.initialization import (
     grow_draft_layers,
 )
 from spark_generate.training.provenance import card_rows
-from spark_generate.training.regenerate import SamplingSettings, answer_rows, write_json_atomically
+from spark_generate.training.regenerate import SamplingSettings, answer_rows
 
 # 4,000 steps of 8 documents: two passes over the ~16k training documents of the first round, about
 # three over the second's ~10k new and 2k replayed ones (the caches pay from the second pass), about

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import platform
+import tempfile
 import warnings
 from itertools import pairwise
 from pathlib import Path
@@ -52,6 +54,18 @@ DEFAULT_SAMPLE_FROM_ANCHOR = True
 def cache_folder() -> Path:
     """Where spark_generate caches what it measures: ``$SPARK_GENERATE_CACHE`` or ``~/.cache/spark_generate``."""
     return Path(os.environ.get("SPARK_GENERATE_CACHE", Path.home() / ".cache" / "spark_generate"))
+
+
+def write_json_atomically(path: Path, value: object) -> None:
+    """Writes ``value`` as JSON to ``path``, creating its folder: a temporary file of its own renamed over it.
+
+    A reader sees the old file or the new one, never a part; writers racing (threads, processes)
+    each rename a whole file of their own.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
+        handle.write(json.dumps(value, indent=2) + "\n")
+    os.replace(handle.name, path)
 
 
 def processor_name() -> str:

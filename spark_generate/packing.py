@@ -58,7 +58,6 @@ import hashlib
 import json
 import os
 import statistics
-import tempfile
 import threading
 import time
 import types
@@ -68,7 +67,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from spark_generate.config import cache_folder, processor_name
+from spark_generate.config import cache_folder, processor_name, write_json_atomically
 
 __all__ = ["clear_packed_linears", "packed_linears", "packed_row_counts", "packing_supported", "resolve_pack_linears"]
 
@@ -290,10 +289,7 @@ def _packed_wins(layers: list[nn.Linear]) -> tuple[bool, ...]:
             if not any(wins):
                 for layer in layers:
                     _PACKED.pop(layer, None)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-                json.dump({"key": key, "packed_from": measured}, handle, indent=2)
-            os.replace(handle.name, path)
+            write_json_atomically(path, {"key": key, "packed_from": measured})
         _PACKED_WINS[memo] = tuple(rows in measured[name] for rows in CROSSOVER_ROWS)
     return _PACKED_WINS[memo]
 

@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from spark_generate.cache import FeatureTap, target_forward
-from spark_generate.config import cache_folder, processor_name
+from spark_generate.config import cache_folder, processor_name, write_json_atomically
 from spark_generate.drafting import DraftBlock, DraftContext, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
@@ -259,10 +258,7 @@ def cost_table_for(
         table = profile_costs(
             model, head, num_drafts=num_drafts, batch_size=batch_size, greedy=greedy, pack_linears=pack
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-            json.dump({**table.to_dict(), "key": key}, handle, indent=2)
-        os.replace(handle.name, path)
+        write_json_atomically(path, {**table.to_dict(), "key": key})
         return table
 
 

@@ -98,6 +98,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import spark_generate.prompt_sets as prompt_sets
+from spark_generate.config import write_json_atomically
 from spark_generate.packing import packed_linears
 from spark_generate.training.provenance import package_versions, target_identity
 from spark_generate.training.regenerate import (
@@ -105,7 +106,6 @@ from spark_generate.training.regenerate import (
     answer_rows,
     append_lines,
     open_lines,
-    write_json_atomically,
 )
 
 __all__ = [

@@ -61,6 +61,7 @@ from transformers import (
 )
 
 from spark_generate.cache import target_forward
+from spark_generate.config import write_json_atomically
 from spark_generate.hf import cache_kwarg_name
 from spark_generate.packing import packed_linears, resolve_pack_linears
 from spark_generate.profiling import cache_folder
@@ -306,13 +307,6 @@ def answer_rows(
 
 def _record(index: int, prompt: list[int], answer: list[int]) -> dict:
     return {"index": index, "input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
-
-
-def write_json_atomically(path: Path, value: object) -> None:
-    """Replaces ``path`` atomically (a temporary file renamed over it)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(temporary, path)
 
 
 def open_lines(path: Path, committed_bytes: int) -> int:
