@@ -104,6 +104,27 @@ def test_cached_values_are_the_in_process_states_cast_to_bfloat16_bit_for_bit(tm
             assert_same_bits(cached.final_hidden[0], live.final_hidden[row, :length].to(torch.bfloat16))
 
 
+def test_a_cache_built_under_bfloat16_autocast_holds_that_forward_and_says_so(tmp_path):
+    target, data = tiny_target(), dataset()
+    build(tmp_path / "float32", target, data)
+    build(tmp_path / "autocast", target, data, autocast_dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "autocast" / "manifest.json").read_text())["autocast"] == "bfloat16"
+    assert json.loads((tmp_path / "float32" / "manifest.json").read_text())["autocast"] is None
+    autocast, float32 = open_cache(tmp_path / "autocast", target, data), open_cache(tmp_path / "float32", target, data)
+    assert autocast.autocast == ("bfloat16",) and float32.autocast == (None,)
+    batch = data.batch([2])
+    with torch.autocast("cpu", torch.bfloat16):
+        live = target_states(target, TAPS, batch.input_ids, batch.attention_mask, CPU)
+    cached = autocast.states([2], CPU, torch.bfloat16)
+    assert_same_bits(cached.features[0], live.features[0].to(torch.bfloat16))
+    assert_same_bits(cached.final_hidden[0], live.final_hidden[0].to(torch.bfloat16))
+    reference = float32.states([2], CPU, torch.float32).features
+    assert not torch.equal(cached.features.float(), reference), "autocast must change the forward here"
+    assert (cached.features.float() - reference).norm() / reference.norm() < 0.05
+    with pytest.raises(FeatureCacheError, match=r"autocast dtype of the target's forward: the cache has None"):
+        build(tmp_path / "float32", target, data, autocast_dtype=torch.bfloat16)  # no resuming across settings
+
+
 def test_a_batch_is_right_padded_with_zeros_in_the_requested_dtype(tmp_path):
     data = dataset()
     build(tmp_path, data=data)
@@ -215,7 +236,8 @@ def test_the_trainer_trains_from_the_cache_as_it_trains_in_process(trained_setup
     assert cached.loss == pytest.approx(live.loss, rel=LOSS_RTOL)
     torch.testing.assert_close(cached.metrics.acceptance, live.metrics.acceptance, rtol=LOSS_RTOL, atol=0)
     provenance = json.loads((cached.checkpoint / "provenance.json").read_text())
-    assert provenance["feature_cache"] == {"paths": [str(path) for path in cache.paths], "dtype": "bfloat16"}
+    paths = [str(path) for path in cache.paths]
+    assert provenance["feature_cache"] == {"paths": paths, "dtype": "bfloat16", "autocast": [None]}
 
 
 def test_the_trainer_refuses_a_cache_of_other_taps_or_documents(trained_setup, tmp_path):

@@ -504,7 +504,9 @@ class Trainer:
             "step": step,
             "target": self._target_identity,
             "data": {"description": self.dataset.description, "num_sequences": len(self.dataset)},
-            "feature_cache": None if cache is None else {"paths": list(map(str, cache.paths)), "dtype": cache.dtype},
+            "feature_cache": None
+            if cache is None
+            else {"paths": list(map(str, cache.paths)), "dtype": cache.dtype, "autocast": list(cache.autocast)},
             "git_commit": git_commit(),
             "packages": package_versions(),
             "argv": list(sys.argv),
