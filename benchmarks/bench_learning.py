@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 from _env import write_results
+from accelerate.state import AcceleratorState
 from tqdm.auto import tqdm
 
 from spark_generate import zoo
@@ -239,6 +240,9 @@ def run_arm(name: str, args, target, train, heldout, caches, writer, done: set, 
     training = {**BASELINE_TRAINING, **arm.training}
     config = TrainingConfig(str(output), num_steps=args.steps, progress=False, **training)
     head = build_head(arm, target, train, caches["train"])
+    # Arms differ in mixed precision, which Accelerate fixes once per process: forget the previous
+    # arm's (one process, so there is no distributed state to keep).
+    AcceleratorState._reset_state()
     trainer = Trainer(head, target, train, config, feature_cache=caches["train"])
     checkpoint = latest_checkpoint(output)
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])

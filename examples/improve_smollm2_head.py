@@ -97,13 +97,16 @@ from spark_generate.training.provenance import card_rows
 from spark_generate.training.regenerate import SamplingSettings, answer_rows
 
 # 4,000 steps of 8 documents: two passes over the ~16k training documents of the first round, about
-# three over the second's ~10k new and 2k replayed ones (the caches pay from the second pass), about
-# 1.7 hours at 1.5 s per step on 2 cores.
+# three over the second's ~10k new and 2k replayed ones (the caches pay from the second pass). In
+# bfloat16 autocast (float32 master weights): the same learning curve as float32 over 300 steps of the
+# recipe (benchmarks/README.md), and a step from the cache in 0.55 s instead of 1.16 s on a 2-core Xeon
+# with AMX, so about 40 minutes a round there. Rounds recorded before keep their own settings.
 ROUND = {
     "num_steps": 4000,
     "batch_size": 8,
     "num_anchors": 32,
     "learning_rate": 3e-4,
+    "mixed_precision": "bf16",
     "save_every": 50,
     "save_total_limit": 2,
     "compile_loss": True,
