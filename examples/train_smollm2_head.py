@@ -64,8 +64,8 @@ from pathlib import Path
 import torch
 
 from spark_generate import prompt_sets, zoo
+from spark_generate.config import cache_folder
 from spark_generate.heads import DSparkHead
-from spark_generate.profiling import cache_folder
 from spark_generate.training import (
     FeatureCache,
     Trainer,

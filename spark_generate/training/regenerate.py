@@ -61,10 +61,9 @@ from transformers import (
 )
 
 from spark_generate.cache import target_forward
-from spark_generate.config import write_json_atomically
+from spark_generate.config import cache_folder, write_json_atomically
 from spark_generate.hf import cache_kwarg_name
 from spark_generate.packing import packed_linears, resolve_pack_linears
-from spark_generate.profiling import cache_folder
 from spark_generate.sampling import sample
 from spark_generate.training.provenance import target_identity
 
