@@ -118,6 +118,13 @@ EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the ro
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
 REPLAY_STRIDE = 8  # a round replays every 8th answer its start was trained on, beside the new ones
+# The target's forward that fills a round's feature caches runs under bfloat16 autocast (unpacked: the
+# packed kernels are float32), 16 documents a forward: on a 2-core Xeon with AMX 1,900 tokens/s of the
+# corpus against 500 one float32 document at a time, and a head trained from such a cache learns as from
+# a float32 one (benchmarks/README.md, learning curves). Recorded in the round's plan; rounds planned
+# before build in float32 one document at a time, as they did.
+CACHE_AUTOCAST = "bfloat16"
+CACHE_BATCH = 16
 # A round in one lease of an accelerator: 4x the documents per step (a larger batch costs little on a GPU), the
 # DeepSpec recipe's peak learning rate for it, bfloat16 autocast, no compiled loss (its compilation eats the lease).
 LEASE_ROUND = {
@@ -241,24 +248,36 @@ def trained_counts(source: Path) -> dict[str, int]:
 
 
 def stage_cache(
-    workdir: Path, target, tokenizer, parts: dict[str, TokenDataset], layer_ids: list[int], max_minutes: float | None
+    workdir: Path,
+    target,
+    tokenizer,
+    parts: dict[str, TokenDataset],
+    layer_ids: list[int],
+    max_minutes: float | None,
+    autocast: str | None,
+    batch_size: int = 1,
 ):
-    """Each part's feature cache (``<workdir>/features/<part>-<documents>``), built or resumed within the budget.
+    """Each part's feature cache (``<workdir>/features/<part>-<documents>[-<autocast>]``), built or resumed.
 
-    One cache per part (:func:`corpus_documents`) and document count, kept while the folder lasts.
-    The target runs with packed linears (1.4x faster here); the states are stored in bfloat16 as
-    always.
+    One cache per part (:func:`corpus_documents`), document count and precision of the target's
+    forward, kept while the folder lasts. The target runs under ``autocast`` (a dtype's name, e.g.
+    ``"bfloat16"``), or (None) in float32 with packed linears (1.4x faster on the EPYC), over
+    ``batch_size`` documents a forward; the states are stored in bfloat16 either way.
 
     Returns:
         The folders in the order of ``parts``, or None when the budget ran out first.
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    dtype = None if autocast is None else getattr(torch, autocast)
     folders = []
     for name, dataset in parts.items():
-        folder = workdir / "features" / f"{name}-{len(dataset)}"
+        folder = workdir / "features" / f"{name}-{len(dataset)}{'' if autocast is None else '-' + autocast}"
         left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
-        with packed_linears(target):
-            result = build_feature_cache(folder, target, tokenizer, dataset, layer_ids, max_minutes=left)
+        with packed_linears(target, enabled=autocast is None):
+            result = build_feature_cache(
+                folder, target, tokenizer, dataset, layer_ids, batch_size=batch_size, max_minutes=left,
+                autocast_dtype=dtype,
+            )  # fmt: skip
         if not result.complete:
             return None
         folders.append(folder)
@@ -302,7 +321,9 @@ def _train(
         target: The target model.
         tokenizer: Its tokenizer.
         plan: The round's plan: its ``settings`` (:class:`TrainingConfig` but ``output_dir``), and
-            ``target_in_process`` (the target runs on every batch; otherwise its states are cached).
+            ``target_in_process`` (the target runs on every batch; otherwise its states are cached,
+            from forwards of ``cache_batch_size`` documents under ``cache_autocast`` where the plan
+            names them).
         deadline: ``time.monotonic()`` by which to stop (at a checkpoint); None: no budget.
     """
     settings = plan["settings"]
@@ -313,7 +334,10 @@ def _train(
     cache = None
     if not plan.get("target_in_process", False):
         layer_ids = recipe.layer_ids(target)
-        folders = stage_cache(workdir, target, tokenizer, parts, layer_ids, _minutes_left(deadline))
+        autocast, batch_size = plan.get("cache_autocast"), plan.get("cache_batch_size", 1)
+        folders = stage_cache(
+            workdir, target, tokenizer, parts, layer_ids, _minutes_left(deadline), autocast, batch_size
+        )
         if folders is None:
             return None
         cache = FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=train,
@@ -410,7 +434,7 @@ def stage_train(
             record["draft_layers"] = draft_layers
         heads = round_heads(folder, record)
         if lease_deadline is None:
-            record["settings"] = ROUND
+            record.update(settings=ROUND, cache_autocast=CACHE_AUTOCAST, cache_batch_size=CACHE_BATCH)
         else:
             record["settings"] = {**LEASE_ROUND, "num_steps": fitted_steps(parts, heads, target, lease_deadline)}
         save_ablation_start(heads[1], folder / ABLATION_START)
@@ -642,6 +666,7 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
         "steps": plan["settings"]["num_steps"],
         "settings": plan["settings"],
         "target_in_process": plan.get("target_in_process", False),
+        **{key: plan[key] for key in ("cache_autocast", "cache_batch_size") if key in plan},
         **({"draft_layers": plan["draft_layers"]} if "draft_layers" in plan else {}),
         "answers": plan["counts"],
         "trained": plan.get("trained", {}),

@@ -22,6 +22,7 @@ import torch
 from spark_generate import DSparkForCausalLM, FixedLength, prompt_sets, zoo
 from spark_generate.heads import DSparkHead
 from spark_generate.schedule import load_calibration
+from spark_generate.training import FeatureCache
 from spark_generate.training.data import TokenDataset
 
 HEAD = Path(__file__).resolve().parents[1] / "model_cards" / "smollm2-135m-instruct-dspark"
@@ -342,6 +343,36 @@ def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_proces
     # Back here, the round reads as finished by its own settings, not the CPU rounds' 4,000 steps.
     assert improve.stage_train(tmp_path, target, None, None) == checkpoint
     assert improve.warm_start_source(tmp_path) == shipped  # the round is not recorded yet: still round 0
+
+
+def test_a_cpu_round_caches_the_targets_states_from_a_bfloat16_forward(
+    smollm2, tmp_path, monkeypatch, fresh_accelerate_state
+):
+    """A round planned here records ``cache_autocast`` and builds its caches so; a plan without it, in float32."""
+    improve = _improve(monkeypatch)
+    target, tokenizer = smollm2
+    _shipped_copy(improve, tmp_path, monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(0, target.config.vocab_size, (40,), generator=generator).tolist() for _ in range(4)]
+    part = TokenDataset(tuple(map(tuple, documents)), tuple((0,) * 8 + (1,) * 32 for _ in documents), "random")
+    monkeypatch.setattr(improve, "corpus_documents", lambda *args, **kwargs: ({"random-0-4": part}, {"r.jsonl": 4}))
+    monkeypatch.setattr(improve, "ROUND", {**improve.ROUND, "num_steps": 2, "batch_size": 2, "num_anchors": 4,
+                                           "compile_loss": False})  # fmt: skip
+    monkeypatch.setattr(improve.recipe, "SCALE_DOCUMENTS", 2)
+    checkpoint = improve.stage_train(tmp_path, target, tokenizer, None)
+    plan = improve.plan_of(improve.round_folder(tmp_path))
+    assert plan["cache_autocast"] == improve.CACHE_AUTOCAST == "bfloat16" and not plan["target_in_process"]
+    assert plan["cache_batch_size"] == improve.CACHE_BATCH > 1
+    assert checkpoint.name == "checkpoint-0000002"
+    layer_ids = improve.recipe.layer_ids(target)
+    built = [improve.stage_cache(tmp_path, target, tokenizer, {"random-0-4": part}, layer_ids, None, autocast)
+             for autocast in ("bfloat16", None)]  # fmt: skip
+    assert built == [[tmp_path / "features" / "random-0-4-4-bfloat16"], [tmp_path / "features" / "random-0-4-4"]]
+    caches = [FeatureCache.open(folders, target=target, tokenizer=tokenizer, dataset=part, layer_ids=layer_ids)
+              for folders in built]  # fmt: skip
+    assert [cache.autocast for cache in caches] == [("bfloat16",), (None,)]
+    bf16, fp32 = (cache.states([0], torch.device("cpu"), torch.float32).features for cache in caches)
+    assert not torch.equal(bf16, fp32) and (bf16 - fp32).norm() < 0.05 * fp32.norm()  # rounding, not another forward
 
 
 def test_a_lease_ablation_trains_like_its_round_with_the_target_in_process(tmp_path, monkeypatch):
