@@ -89,7 +89,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -102,8 +101,9 @@ from transformers import CompileConfig
 
 import spark_generate
 from spark_generate import DSparkForCausalLM, copy_heavy, packed_linears, prompt_sets, zoo
+from spark_generate.config import cache_folder, write_json_atomically
 from spark_generate.heads import DSparkHead
-from spark_generate.profiling import cache_folder, cost_table_for
+from spark_generate.profiling import cost_table_for
 from spark_generate.schedule import FixedLength, GoodputSchedule, load_calibration
 from spark_generate.telemetry import DraftSource, SpeculativeStats
 from spark_generate.training.regenerate import prompt_ids
@@ -558,9 +558,7 @@ class CellLog:
         self.finished[name] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         self.failures = dict(failures)
         record = {"key": self.key, "cells": self.cells, "failures": self.failures, "finished": self.finished}
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_text(json.dumps({"recordings": [*self.elsewhere, record]}) + "\n")
-        os.replace(temporary, self.path)
+        write_json_atomically(self.path, {"recordings": [*self.elsewhere, record]})
 
     def span(self) -> str:
         """When the cells were measured: ``first - last`` (UTC)."""

@@ -119,7 +119,8 @@ def _sampled_verdict(
     device = target_scores.device
     token_ids = torch.full((num_rows, width), -1, dtype=torch.int64, device=device)
     num_emitted = torch.ones(num_rows, dtype=torch.int64, device=device)
-    plain = num_verified.to(device) == 0
+    num_verified = num_verified.to(device)
+    plain = num_verified == 0
     if bool(plain.any()):
         token_ids[plain, 0] = inverse_cdf_sample(
             torch.softmax(target_scores[plain, 0], dim=-1), seed=seeds[plain], positions=anchor_positions[plain] + 1,
@@ -130,7 +131,7 @@ def _sampled_verdict(
         target_probs = torch.softmax(target_scores[drafted], dim=-1)
         draft_probs = block.target_probs(width - 1, vocab_size)[drafted]
         token_ids[drafted], num_emitted[drafted] = rejection_sample(
-            target_probs, draft_probs, block.token_ids[drafted, : width - 1], num_verified.to(device)[drafted],
+            target_probs, draft_probs, block.token_ids[drafted, : width - 1], num_verified[drafted],
             seed=seeds[drafted], positions=anchor_positions[drafted] + 1, validate=False,
         )  # fmt: skip
     return token_ids, num_emitted
