@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 import warnings
 from itertools import pairwise
 from pathlib import Path
@@ -66,6 +67,99 @@ def write_json_atomically(path: Path, value: object) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as handle:
         handle.write(json.dumps(value, indent=2) + "\n")
     os.replace(handle.name, path)
+
+
+# Machine measurements (packing crossovers, cost tables) taken while other processes kept more
+# than this many processor cores busy on average serve the process that took them but are not
+# saved; ``SPARK_GENERATE_MAX_OTHER_CORES`` overrides it ("inf": save whatever the load).
+MAX_OTHER_CORES = 0.25
+
+
+class LoadWatch:
+    """How many processor cores the rest of the machine kept busy while this context was open.
+
+    Measurements that choose kernels or plan rounds are cached per machine and reused by every
+    later generation, so one taken while another job shared the processors would steer them for
+    good. This reads Linux's ``/proc/stat`` (the busy time of every core, time stolen by the
+    hypervisor included) and ``/proc/self/stat`` (this process's, all its threads) at entry and
+    exit; the others' share is the difference. Elsewhere the load is unknown (None) and
+    measurements are saved as before.
+
+    Example::
+
+        with LoadWatch() as watch:
+            seconds = measure()
+        if watch.quiet:
+            save(seconds)
+    """
+
+    def __enter__(self) -> LoadWatch:
+        self._start = (time.perf_counter(), _busy_ticks())
+        self._stop = self._start
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop = (time.perf_counter(), _busy_ticks())
+
+    @property
+    def other_cores(self) -> float | None:
+        """Cores other processes used on average while open (None: unknown on this system)."""
+        (start, start_ticks), (stop, stop_ticks) = self._start, self._stop
+        if start_ticks is None or stop_ticks is None or stop <= start:
+            return None
+        busy, own = (after - before for before, after in zip(start_ticks, stop_ticks, strict=True))
+        return max(0, busy - own) / os.sysconf("SC_CLK_TCK") / (stop - start)
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the others stayed within :func:`max_other_cores` (or their load is unknown)."""
+        other_cores = self.other_cores
+        return other_cores is None or other_cores <= max_other_cores()
+
+    def warn_unsaved(self, what: str) -> None:
+        """Warns that ``what`` (a measurement taken while this was open) is kept for this process only."""
+        warnings.warn(
+            f"{what} was measured while other processes kept {self.other_cores:.2f} processor cores busy on average "
+            f"(more than {max_other_cores():g}), so it serves this process but is not saved: the next process "
+            "measures it again. Measure on a quiet machine, or set SPARK_GENERATE_MAX_OTHER_CORES=inf to save "
+            "it whatever the load.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def max_other_cores() -> float:
+    """:data:`MAX_OTHER_CORES`, or ``$SPARK_GENERATE_MAX_OTHER_CORES``.
+
+    Raises:
+        ValueError: The variable is not a non-negative number.
+    """
+    raw = os.environ.get("SPARK_GENERATE_MAX_OTHER_CORES")
+    if raw is None:
+        return MAX_OTHER_CORES
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(
+            f"SPARK_GENERATE_MAX_OTHER_CORES={raw!r}; expected a number of cores >= 0 (for example 0.25, "
+            "or inf to save measurements whatever the load)."
+        )
+    return value
+
+
+def _busy_ticks() -> tuple[int, int] | None:
+    """Clock ticks the machine's cores and this process have been busy, from ``/proc`` (None without it)."""
+    try:
+        with open("/proc/stat") as stat:
+            machine = [int(value) for value in stat.readline().split()[1:9]]
+        with open("/proc/self/stat") as own:
+            process = own.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+    # user nice system idle iowait irq softirq steal; this process's utime and stime
+    return sum(machine) - machine[3] - machine[4], int(process[11]) + int(process[12])
 
 
 def processor_name() -> str:

@@ -19,7 +19,9 @@ of its linears, in order and on its own weights, with ``sgemm`` and packed at ea
 packed only if the packed pass was at least as fast at the largest of those counts not above
 ``rows``. That is measured once per machine and set of layer shapes (a few seconds for SmolLM2)
 and cached as JSON under ``$SPARK_GENERATE_CACHE/packing``, keyed by processor, thread count and
-torch version, so that every later generation on the machine dispatches identically; a module
+torch version, so that every later generation on the machine dispatches identically (unless other
+processes kept the processors busy while it was timed: then it serves the process that timed it
+and is not saved); a module
 whose packed pass won at no count is not routed at all. With ``SPARK_GENERATE_PROFILE=0`` nothing
 is measured and every row count runs packed.
 
@@ -67,7 +69,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from spark_generate.config import cache_folder, processor_name, write_json_atomically
+from spark_generate.config import LoadWatch, cache_folder, processor_name, write_json_atomically
 
 __all__ = ["clear_packed_linears", "packed_linears", "packed_row_counts", "packing_supported", "resolve_pack_linears"]
 
@@ -267,7 +269,8 @@ def _packed_wins(layers: list[nn.Linear]) -> tuple[bool, ...]:
 
     Looked up by the layers' shapes (in order) in memory, then in the cache file of this processor,
     thread count and torch version; shapes found in neither are timed (:func:`_time_passes`) and
-    added to the file (written atomically). Layers that are never to run packed keep no packed
+    added to the file (written atomically; kept in memory only when other processes loaded the
+    machine meanwhile, :class:`~spark_generate.config.LoadWatch`). Layers that are never to run packed keep no packed
     copy. ``SPARK_GENERATE_PROFILE=0``: packed at every count, without measuring.
     """
     if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
@@ -284,12 +287,16 @@ def _packed_wins(layers: list[nn.Linear]) -> tuple[bool, ...]:
         except (OSError, ValueError, KeyError, TypeError):
             measured = {}  # none yet, or damaged: measured again and replaced
         if not isinstance(measured.get(name), list):
-            wins = _time_passes([(layer.weight.detach(), _packed_weight(layer)) for layer in layers])
+            with LoadWatch() as watch:
+                wins = _time_passes([(layer.weight.detach(), _packed_weight(layer)) for layer in layers])
             measured[name] = [rows for rows, won in zip(CROSSOVER_ROWS, wins, strict=True) if won]
             if not any(wins):
                 for layer in layers:
                     _PACKED.pop(layer, None)
-            write_json_atomically(path, {"key": key, "packed_from": measured})
+            if watch.quiet:
+                write_json_atomically(path, {"key": key, "packed_from": measured})
+            else:
+                watch.warn_unsaved(f"The packed kernels' crossover for {len(layers)} linear layers")
         _PACKED_WINS[memo] = tuple(rows in measured[name] for rows in CROSSOVER_ROWS)
     return _PACKED_WINS[memo]
 

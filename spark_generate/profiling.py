@@ -10,7 +10,10 @@ prompts costs more plain steps than over short ones). :func:`cost_table_for`
 is what the default schedule uses: the table of this target, dtype, device, thread count, head and
 batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs`` (default
 ``~/.cache/spark_generate``), so that later generations plan identically (a seeded sampled
-generation depends on the plan, so it is reproducible run to run on the same machine). With
+generation depends on the plan, so it is reproducible run to run on the same machine). A table
+measured while other processes kept the processors busy (:class:`~spark_generate.config.LoadWatch`)
+would plan every later generation with their noise: it serves the process that measured it and
+is not saved. With
 ``SPARK_GENERATE_PROFILE=0`` nothing is measured and the built-in
 :meth:`~spark_generate.schedule.CostTable.estimate` is used. Threads whose first generations need
 the same table at once measure it once: the others wait for it (measuring side by side would
@@ -34,7 +37,7 @@ import torch
 from transformers import LogitsProcessorList, PreTrainedModel
 
 from spark_generate.cache import FeatureTap, target_forward
-from spark_generate.config import cache_folder, processor_name, write_json_atomically
+from spark_generate.config import LoadWatch, cache_folder, processor_name, write_json_atomically
 from spark_generate.drafting import DraftBlock, DraftContext, DraftRequest, HeadDrafter
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, take_cache
@@ -47,6 +50,8 @@ __all__ = ["cache_folder", "cost_table_for", "profile_costs"]
 
 # Held while a cost table is looked up or measured, so that racing first calls measure it once.
 _PROFILING_LOCK = threading.Lock()
+# Tables measured while other processes loaded the machine, by the path they were not saved to.
+_UNSAVED_TABLES: dict[Path, CostTable] = {}
 CONTEXT_LENGTH = 64  # prompt tokens per row of the measurement
 LONG_CONTEXT_LENGTH = 512  # ... and of the second one, for the costs' growth with the context
 
@@ -250,15 +255,22 @@ def cost_table_for(
         cache_folder() / "costs" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
     )
     with _PROFILING_LOCK:
+        if path in _UNSAVED_TABLES:
+            return _UNSAVED_TABLES[path]
         if path.is_file():
             try:
                 return CostTable.load(path)
             except (OSError, ValueError, KeyError):
                 pass  # a damaged cache entry is measured again and replaced
-        table = profile_costs(
-            model, head, num_drafts=num_drafts, batch_size=batch_size, greedy=greedy, pack_linears=pack
-        )
-        write_json_atomically(path, {**table.to_dict(), "key": key})
+        with LoadWatch() as watch:
+            table = profile_costs(
+                model, head, num_drafts=num_drafts, batch_size=batch_size, greedy=greedy, pack_linears=pack
+            )
+        if watch.quiet:
+            write_json_atomically(path, {**table.to_dict(), "key": key})
+        else:
+            _UNSAVED_TABLES[path] = table
+            watch.warn_unsaved(f"The cost table of {type(model).__name__} at batch size {batch_size}")
         return table
 
 

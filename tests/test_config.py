@@ -1,16 +1,24 @@
-"""DSparkConfig: defaults, layer-id conventions, the slot rule, validation errors, serialization."""
+"""DSparkConfig: defaults, layer-id conventions, the slot rule, validation errors, serialization; the load watch."""
 
 import json
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
+from spark_generate import config
 from spark_generate.config import (
+    MAX_OTHER_CORES,
     DSparkConfig,
     DSparkConfigError,
+    LoadWatch,
     default_target_layer_ids,
     from_aux_layer_ids,
+    max_other_cores,
     resolve_sample_from_anchor,
     to_aux_layer_ids,
 )
@@ -247,3 +255,56 @@ def test_check_target_rejects_tap_layers_out_of_range():
     target = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
     with pytest.raises(DSparkConfigError, match=r"target_layer_ids=\[0, 3\].*below 3"):
         config.check_target(target)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="the load is read from Linux's /proc")
+def test_the_load_watch_sees_another_process_busy_and_not_its_own_work():
+    spin = "import time\nstart = time.time()\nwhile time.time() - start < 2.0:\n    pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child is spinning
+        with LoadWatch() as watch:
+            time.sleep(1.0)
+    finally:
+        child.wait()
+    assert watch.other_cores >= 0.5  # one core spun all along (0.5 leaves room for rounding to clock ticks)
+    with LoadWatch() as own:
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.5:  # this process's own work is not the others'
+            pass
+    assert own.other_cores < watch.other_cores
+
+
+def test_the_load_limit_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("SPARK_GENERATE_MAX_OTHER_CORES")
+    assert max_other_cores() == MAX_OTHER_CORES
+    monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", "inf")
+    assert max_other_cores() == float("inf")
+    for wrong in ("lots", "-1", "nan"):
+        monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", wrong)
+        with pytest.raises(ValueError, match=f"SPARK_GENERATE_MAX_OTHER_CORES='{wrong}'; expected a number"):
+            max_other_cores()
+
+
+def fake_load(monkeypatch, other_ticks: int) -> None:
+    """Makes every LoadWatch see ``other_ticks`` clock ticks of other processes between its entry and exit."""
+    readings = iter([(0, 0), (other_ticks, 0)] * 100)
+    monkeypatch.setattr(config, "_busy_ticks", lambda: next(readings))
+
+
+def test_a_watch_is_quiet_within_the_limit_or_where_the_load_is_unknown(monkeypatch):
+    monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", "0.25")
+    fake_load(monkeypatch, 10**9)
+    with LoadWatch() as watch:
+        pass
+    assert watch.other_cores > 0.25 and not watch.quiet
+    with pytest.warns(RuntimeWarning, match="The table was measured while other processes kept .* not saved"):
+        watch.warn_unsaved("The table")
+    fake_load(monkeypatch, 0)
+    with LoadWatch() as watch:
+        pass
+    assert watch.other_cores == 0 and watch.quiet
+    monkeypatch.setattr(config, "_busy_ticks", lambda: None)  # no /proc: unknown, measurements saved as before
+    with LoadWatch() as watch:
+        pass
+    assert watch.other_cores is None and watch.quiet

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import tiny_head
 from conftest import tiny_target as shared_tiny_target
+from test_config import fake_load
 from test_generation import oracle, prompts
 from torch import nn
 
@@ -214,6 +215,26 @@ def test_each_module_runs_packed_at_the_row_counts_where_it_measured_faster(cros
     with torch.no_grad(), packed_linears(model):
         model[0](torch.randn(5, 40))
     assert packed_calls == [5] and len(timed) == 3
+
+
+def test_a_crossover_timed_on_a_busy_machine_serves_the_process_but_is_not_saved(crossover, monkeypatch):
+    packed_calls, timed = crossover
+    monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", "0.25")
+    fake_load(monkeypatch, 10**9)  # other processes held every core while it was timed
+    model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 24))
+    busy = pytest.warns(RuntimeWarning, match="crossover for 2 linear layers was measured while other processes")
+    with busy, torch.no_grad(), packed_linears(model):
+        model(torch.randn(4, 40))
+    assert packed_calls == [4, 4] and len(timed) == 1  # used as timed
+    assert not (cache_folder() / "packing").exists()
+    with torch.no_grad(), packed_linears(model):  # the same process: not timed again
+        pass
+    assert len(timed) == 1
+    packing._PACKED_WINS.clear()  # a new process, on a quiet machine now: timed again, and saved
+    fake_load(monkeypatch, 0)
+    with torch.no_grad(), packed_linears(model):
+        pass
+    assert len(timed) == 2 and len(list((cache_folder() / "packing").glob("*.json"))) == 1
 
 
 def test_a_module_whose_packed_kernels_never_win_is_not_routed_and_keeps_no_copies(crossover, monkeypatch):

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+from test_config import fake_load
 from test_generation import ARCHITECTURES, OracleDrafter, prompts, tiny_head, tiny_target
 
 from spark_generate import (
@@ -25,6 +26,7 @@ from spark_generate import (
     GoodputSchedule,
     decode,
     profile_costs,
+    profiling,
 )
 from spark_generate.kernels import RandomStream, rejection_sample
 from spark_generate.profiling import cost_table_for
@@ -328,3 +330,23 @@ def test_cost_table_is_profiled_once_and_cached(tmp_path, monkeypatch):
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
     monkeypatch.setenv("SPARK_GENERATE_PROFILE", "0")
     assert cost_table_for(target, head, batch_size=2) == CostTable.estimate("cpu", 2 * 4)
+
+
+def test_a_cost_table_measured_on_a_busy_machine_serves_the_process_but_is_not_saved(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARK_GENERATE_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", "0.25")
+    monkeypatch.setattr(profiling, "_UNSAVED_TABLES", {})
+    measured = []
+    table = CostTable((1,), (1.0,))
+    monkeypatch.setattr(profiling, "profile_costs", lambda *args, **kwargs: measured.append(1) or table)
+    fake_load(monkeypatch, 10**9)
+    target = tiny_target("llama", num_layers=2)
+    head = tiny_head(target, block_size=3)
+    with pytest.warns(RuntimeWarning, match="cost table of LlamaForCausalLM at batch size 2 was measured while"):
+        first = cost_table_for(target, head, batch_size=2, pack_linears=False)
+    assert cost_table_for(target, head, batch_size=2, pack_linears=False) is first  # this process: kept
+    assert len(measured) == 1 and not (tmp_path / "costs").exists()
+    profiling._UNSAVED_TABLES.clear()  # a new process, on a quiet machine now: measured again, and saved
+    fake_load(monkeypatch, 0)
+    cost_table_for(target, head, batch_size=2, pack_linears=False)
+    assert len(measured) == 2 and len(list((tmp_path / "costs").glob("*.json"))) == 1
