@@ -38,7 +38,7 @@ from spark_generate.kernels import RandomStream
 from spark_generate.kernels.reference import inverse_cdf, philox_uniform64
 from spark_generate.rows import RowPrefixes, Sampling
 
-__all__ = ["NO_CONFIDENCE", "DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter"]
+__all__ = ["NO_CONFIDENCE", "DraftBlock", "DraftContext", "DraftRequest", "Drafter", "HeadDrafter", "PendingContext"]
 
 # The confidence logit of a slot no drafter filled (sigmoid ~1e-13): no schedule verifies it.
 NO_CONFIDENCE = -30.0
@@ -57,22 +57,48 @@ class DraftContext:
     features: torch.Tensor
     positions: torch.Tensor
 
-    def extend(self, newer: DraftContext, max_rows: int | None = None) -> DraftContext:
-        """This context followed by ``newer``, keeping at most the last ``max_rows`` rows."""
-        features = torch.cat([self.features, newer.features], dim=1)
-        positions = torch.cat([self.positions, newer.positions], dim=1)
-        if max_rows is not None and features.shape[1] > max_rows:
-            features, positions = features[:, -max_rows:], positions[:, -max_rows:]
-        return DraftContext(features, positions)
-
     def select_rows(self, keep: torch.Tensor) -> DraftContext:
         """The context of the batch rows ``keep``."""
         return DraftContext(self.features[keep], self.positions[keep])
 
-    @classmethod
-    def empty_like(cls, other: DraftContext) -> DraftContext:
-        """A context with no rows, for the batch and devices of ``other``."""
-        return cls(other.features[:, :0], other.positions[:, :0])
+
+@dataclass(frozen=True)
+class PendingContext:
+    """The target features committed since the head last drafted, in the chunks the rounds appended.
+
+    While the schedule steps aside every round appends a chunk, and joining them into one tensor
+    each round would copy the whole pending context again (at batch 16, 32 rows of SmolLM2's 2,880
+    features: 6 MB a round) for a head that may not draft for many rounds; they are joined once,
+    when it drafts (:meth:`take`). The prompt's context alone is shown whole; once rounds have
+    appended to it, only its last ``max_rows`` rows are (chunks wholly before them are dropped as
+    they fall out).
+
+    Attributes:
+        chunks: Contexts ``[B, C_i, m·H]`` in the order they were committed.
+        max_rows: The most rows shown to the head; None until a round appends.
+    """
+
+    chunks: tuple[DraftContext, ...] = ()
+    max_rows: int | None = None
+
+    def append(self, newer: DraftContext, max_rows: int) -> PendingContext:
+        """This context followed by ``newer``, of which the head will see the last ``max_rows`` rows."""
+        chunks = (*self.chunks, newer)
+        while len(chunks) > 1 and sum(chunk.positions.shape[1] for chunk in chunks[1:]) >= max_rows:
+            chunks = chunks[1:]
+        return PendingContext(chunks, max_rows)
+
+    def take(self) -> DraftContext:
+        """The context to show the head, as one: ``[B, C, m·H]`` features and ``[B, C]`` positions."""
+        features = torch.cat([chunk.features for chunk in self.chunks], dim=1)
+        positions = torch.cat([chunk.positions for chunk in self.chunks], dim=1)
+        if self.max_rows is not None:
+            features, positions = features[:, -self.max_rows :], positions[:, -self.max_rows :]
+        return DraftContext(features, positions)
+
+    def select_rows(self, keep: torch.Tensor) -> PendingContext:
+        """The context of the batch rows ``keep``."""
+        return PendingContext(tuple(chunk.select_rows(keep) for chunk in self.chunks), self.max_rows)
 
 
 @dataclass(frozen=True)
@@ -82,7 +108,8 @@ class DraftRequest:
     Attributes:
         anchor_ids: ``[B]`` the last committed token of each row (not yet seen by the target).
         anchor_positions: ``[B]`` int64 its absolute position.
-        context: Target features of the tokens committed since the last round.
+        context: Target features of the tokens committed since the head last drafted; None for
+            drafters that read none (the suffix drafter).
         prefixes: The committed tokens of each row (ending with the anchor).
         sampling: Greedy or seeded sampling.
         warpers: The target's warpers that read only the logits (see
@@ -91,7 +118,7 @@ class DraftRequest:
 
     anchor_ids: torch.Tensor
     anchor_positions: torch.Tensor
-    context: DraftContext
+    context: DraftContext | None
     prefixes: RowPrefixes
     sampling: Sampling
     warpers: LogitsProcessorList

@@ -34,13 +34,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from spark_generate.cache import FeatureTap, check_holes_allowed, target_forward
-from spark_generate.drafting import DraftBlock, DraftContext, Drafter, DraftRequest, HeadDrafter
+from spark_generate.drafting import DraftBlock, DraftContext, Drafter, DraftRequest, HeadDrafter, PendingContext
 from spark_generate.heads import DSparkHead
 from spark_generate.hf import cache_kwarg_name, crop_cache, pop_prepared_inputs, take_cache, vocabulary_free_processors
 from spark_generate.packing import packed_linears, resolve_pack_linears
@@ -104,7 +104,7 @@ class RunningRows:
     sampling: Sampling  # seeds [R]
     anchor_positions: torch.Tensor  # [R]
     cache_mask: torch.Tensor  # [R, C]
-    context: DraftContext | None  # [R, C_new, ·]; None without a head
+    context: PendingContext | None  # [R, C_new, ·] in chunks; None without a head
     cache: Cache
     drafter: Drafter | None  # the head's
     suffix: Drafter | None
@@ -119,7 +119,7 @@ class RunningRows:
                 setattr(self, field.name, value[keep])
             elif isinstance(value, Cache):
                 value.batch_select_indices(keep)
-            elif isinstance(value, (Sampling, DraftContext)):
+            elif isinstance(value, (Sampling, PendingContext)):
                 setattr(self, field.name, value.select_rows(keep))
             else:
                 value.select_rows(keep)
@@ -321,7 +321,8 @@ def speculative_generate(
             running = RunningRows(
                 rows=torch.arange(batch_size, device=input_ids.device),
                 sampling=Sampling(greedy, _row_seeds(seed, batch_size, input_ids.device)),
-                anchor_positions=attention_mask.long().sum(dim=1), cache_mask=attention_mask, context=context,
+                anchor_positions=attention_mask.long().sum(dim=1), cache_mask=attention_mask,
+                context=None if context is None else PendingContext((context,)),
                 cache=cache, drafter=None if head is None else (drafter or HeadDrafter)(head), suffix=suffix,
             )  # fmt: skip
             state = DecodeState(
@@ -464,7 +465,7 @@ def speculative_step(state: DecodeState) -> None:
         new_context = DraftContext(
             settings.tap.take()[:, :kept], torch.where(kept_mask, block_positions[:, :kept], UNSEEN_POSITION)
         )
-        running.context = running.context.extend(new_context, max_rows=MAX_CATCH_UP_ROWS)
+        running.context = running.context.append(new_context, MAX_CATCH_UP_ROWS)
     running.anchor_positions = running.anchor_positions + verdict.num_emitted
     drop_finished_rows(state)
 
@@ -479,9 +480,7 @@ def draft_round(
     the head runs (once, for every row) only if some row drafts with it.
     """
     settings, running = state.settings, state.running
-    request = DraftRequest(
-        anchor_ids, running.anchor_positions, running.context, prefixes, running.sampling, settings.warpers
-    )
+    request = DraftRequest(anchor_ids, running.anchor_positions, None, prefixes, running.sampling, settings.warpers)
     blocks: dict[int, DraftBlock] = {}
     if running.suffix is not None:
         blocks[DraftSource.SUFFIX] = running.suffix.draft(request)
@@ -491,8 +490,8 @@ def draft_round(
         context_length=running.cache_mask.shape[1],
     )  # fmt: skip
     if bool((sources == DraftSource.HEAD).any()):
-        blocks[DraftSource.HEAD] = running.drafter.draft(request)
-        running.context = DraftContext.empty_like(running.context)  # now in the drafter's cache
+        blocks[DraftSource.HEAD] = running.drafter.draft(replace(request, context=running.context.take()))
+        running.context = PendingContext()  # now in the drafter's cache
     if bool((sources == DraftSource.PLAIN).all()):
         return DraftBlock.nothing(anchor_ids), sources
     block = DraftBlock.by_row(blocks, sources.to(anchor_ids.device), settings.num_draft_tokens, settings.vocab_size)

@@ -35,10 +35,10 @@ with the layer, or by :func:`clear_packed_linears`; by default a model is not pa
 would take more than half of the free memory. A weight whose values changed since it was packed is
 packed again, however it changed: a replaced tensor or an in-place update is seen by the weight's
 data pointer and version counter, and a write through ``.data`` (which bumps neither, as EMA and
-weight-loading code do) by a checksum of the weight's bits taken at every entry: an integer sum
-that any change of one element alters, and the rows' first elements by position, so reordered
-rows are seen too. It reads each weight once (for SmolLM2-135M about a tenth of a decoding step)
-and is paid once per generation.
+weight-loading code do) by a checksum of the weight's bits: an integer sum that any change of one
+element alters, and the rows' first elements by position, so reordered rows are seen too. It reads
+the weight once, at its first packed use in each call (so a call whose forwards all run ``sgemm``,
+say one-token decoding on a machine where ``sgemm`` wins at one row, never pays for it).
 Only plain ``nn.Linear`` layers (not subclasses, which may quantize or hook their forward) with
 float32 CPU weights are packed, only while gradients are off, and only where oneDNN passes a
 one-off numerical self-check; everything else runs unchanged. ``pack_linears=False`` (or
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import hashlib
 import json
@@ -81,9 +82,8 @@ _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[Fingerprint, torch.Tensor]] 
 _USERS: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # Guards _PACKED and _USERS, and the installing and removing of dispatchers.
 _LOCK = threading.RLock()
-# Per layer the current call packs: its packed weight and, per count of CROSSOVER_ROWS, whether
-# that many input rows (up to the next count) run packed (empty for calls that do not pack).
-_ROUTES: contextvars.ContextVar[Mapping[nn.Linear, tuple[torch.Tensor, tuple[bool, ...]]]] = contextvars.ContextVar(
+# Per layer the current call packs, its route (empty for calls that do not pack).
+_ROUTES: contextvars.ContextVar[Mapping[nn.Linear, _Route]] = contextvars.ContextVar(
     "spark_generate_packed_routes", default=types.MappingProxyType({})
 )
 # Per (threads, digest of the layers' shapes): whether the packed pass won, per count of CROSSOVER_ROWS.
@@ -155,13 +155,13 @@ def packed_linears(*modules: nn.Module, enabled: bool = True) -> Iterator[int]:
         kernels measured slower than ``sgemm`` at every row count).
     """
     outer = _ROUTES.get()
-    routes: dict[nn.Linear, tuple[torch.Tensor, tuple[bool, ...]]] = {}
+    routes: dict[nn.Linear, _Route] = {}
     if enabled:
         with _LOCK:
             for layers in _module_layers(modules, skip=outer):  # the target, the head: each its own counts
                 wins = _packed_wins(layers) if layers else ()
                 if any(wins):  # else sgemm at every row count: nothing to route
-                    routes.update((layer, (_packed_weight(layer), wins)) for layer in layers)
+                    routes.update((layer, _Route(layer, wins)) for layer in layers)
             for layer in routes:
                 _USERS[layer] = _USERS.get(layer, 0) + 1
                 if _USERS[layer] == 1:
@@ -219,6 +219,22 @@ def _qualifies(layer: nn.Module) -> bool:
     )
 
 
+@dataclasses.dataclass
+class _Route:
+    """A layer's packing in one call: the row counts that run packed, and its packed weight once one has."""
+
+    layer: nn.Linear
+    wins: tuple[bool, ...]  # per count of CROSSOVER_ROWS: whether that many input rows (up to the next) run packed
+    packed: torch.Tensor | None = None
+
+    def packed_weight(self) -> torch.Tensor:
+        """The packed weight, checked against the layer's current one at the call's first packed use."""
+        if self.packed is None:
+            with _LOCK:
+                self.packed = _packed_weight(self.layer)
+        return self.packed
+
+
 def _packed_weight(layer: nn.Linear) -> torch.Tensor:
     """The layer's weight in oneDNN's layout: cached, packed again if the weight changed (call under ``_LOCK``)."""
     weight = layer.weight.detach()
@@ -253,10 +269,10 @@ def _dispatch_forward(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:
         or torch.is_grad_enabled()
         or inputs.dtype != torch.float32
         or inputs.device.type != "cpu"
-        or not route[1][min((inputs.numel() // inputs.shape[-1]).bit_length(), len(CROSSOVER_ROWS)) - 1]
+        or not route.wins[min((inputs.numel() // inputs.shape[-1]).bit_length(), len(CROSSOVER_ROWS)) - 1]
     ):
         return nn.functional.linear(inputs, layer.weight, layer.bias)
-    return _packed_linear(inputs, route[0], layer.bias)
+    return _packed_linear(inputs, route.packed_weight(), layer.bias)
 
 
 def _packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

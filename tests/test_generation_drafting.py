@@ -10,11 +10,13 @@ committed rows, the ones next to the anchor.
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_generation import VOCAB, OracleDrafter, oracle, prompts, tiny_head, tiny_target
 
 import spark_generate.generation as generation
 from spark_generate import FixedLength, decode
-from spark_generate.drafting import HeadDrafter
+from spark_generate.drafting import DraftContext, HeadDrafter, PendingContext
 from spark_generate.kernels import RandomStream
 from spark_generate.rows import UNSEEN_POSITION
 from spark_generate.sampling import inverse_cdf_sample
@@ -168,3 +170,34 @@ def test_a_context_cut_to_the_catch_up_limit_keeps_the_newest_rows(llama, monkey
     for positions, anchor_positions in seen[1:]:  # the first round reads the whole prompt
         newest = positions.masked_fill(positions == UNSEEN_POSITION, -1).max(dim=1).values
         assert positions.shape[1] == 2 and newest.tolist() == (anchor_positions - 1).tolist()
+
+
+@given(
+    prompt_rows=st.integers(1, 6),
+    chunk_rows=st.lists(st.integers(1, 5), max_size=12),
+    max_rows=st.integers(1, 8),
+    drop_after=st.integers(0, 12),
+)
+def test_a_pending_context_shows_what_joining_every_round_would(prompt_rows, chunk_rows, max_rows, drop_after):
+    """Kept in chunks, the context is the one a join after every round and a cut to ``max_rows`` would give."""
+    generator = torch.Generator().manual_seed(prompt_rows * 100 + len(chunk_rows))
+
+    def context(rows: int) -> DraftContext:
+        batch = len(features) if step > drop_after else 3
+        return DraftContext(torch.randn(batch, rows, 4, generator=generator), torch.randint(0, 99, (batch, rows)))
+
+    step = -1
+    prompt = context(prompt_rows)
+    pending, features, positions = PendingContext((prompt,)), prompt.features, prompt.positions
+    assert torch.equal(pending.take().features, features)  # the prompt alone: whole
+    for step, rows in enumerate(chunk_rows):
+        newer = context(rows)
+        pending = pending.append(newer, max_rows)
+        features = torch.cat([features, newer.features], dim=1)[:, -max_rows:]
+        positions = torch.cat([positions, newer.positions], dim=1)[:, -max_rows:]
+        if step == drop_after:  # rows leave the batch
+            keep = torch.tensor([0, 2])
+            pending, features, positions = pending.select_rows(keep), features[keep], positions[keep]
+        taken = pending.take()
+        assert torch.equal(taken.features, features) and torch.equal(taken.positions, positions)
+        assert sum(chunk.positions.shape[1] for chunk in pending.chunks[1:]) < max_rows  # older chunks dropped

@@ -217,6 +217,27 @@ def test_each_module_runs_packed_at_the_row_counts_where_it_measured_faster(cros
     assert packed_calls == [5] and len(timed) == 3
 
 
+def test_a_call_reads_and_packs_a_weight_only_when_a_forward_runs_it_packed(crossover, monkeypatch):
+    packed_calls, _ = crossover
+    model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 24))
+    with torch.no_grad(), packed_linears(model):  # measured (packed from 4 rows): every weight packed once to time it
+        pass
+    packing.clear_packed_linears()
+    checked = []
+    checksum = packing._checksum
+    monkeypatch.setattr(packing, "_checksum", lambda weight: checked.append(tuple(weight.shape)) or checksum(weight))
+    with torch.no_grad(), packed_linears(model):
+        for _ in range(3):
+            model(torch.randn(1, 40))  # one row: sgemm, the weights are neither read nor packed
+        assert not checked and len(packing._PACKED) == 0
+        model[0](torch.randn(4, 40))  # four rows: the first layer runs packed, checked once in this call
+        model[0](torch.randn(8, 40))
+    assert checked == [(24, 40)] and packed_calls == [4, 8] and len(packing._PACKED) == 1
+    with torch.no_grad(), packed_linears(model):  # the next call checks it again before its first packed use
+        model(torch.randn(4, 40))
+    assert checked == [(24, 40), (24, 40), (24, 24)]
+
+
 def test_a_crossover_timed_on_a_busy_machine_serves_the_process_but_is_not_saved(crossover, monkeypatch):
     packed_calls, timed = crossover
     monkeypatch.setenv("SPARK_GENERATE_MAX_OTHER_CORES", "0.25")
@@ -283,7 +304,7 @@ def test_the_memory_guard_counts_half_of_the_free_memory_and_only_unpacked_layer
     free_bytes(int(needed * 2.5))
     assert packing.resolve_pack_linears(target, None)
     with torch.no_grad(), packed_linears(target):
-        pass  # every copy made: nothing more is needed
+        target(torch.ones(1, 4, dtype=torch.long))  # every copy made at its first use: nothing more is needed
     free_bytes(int(needed * 0.1))
     assert packing.resolve_pack_linears(target, None)
     packing.clear_packed_linears()
