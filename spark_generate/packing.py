@@ -21,9 +21,8 @@ packed only if the packed pass was at least as fast at the largest of those coun
 and cached as JSON under ``$SPARK_GENERATE_CACHE/packing``, keyed by processor, thread count and
 torch version, so that every later generation on the machine dispatches identically (unless other
 processes kept the processors busy while it was timed: then it serves the process that timed it
-and is not saved); a module
-whose packed pass won at no count is not routed at all. With ``SPARK_GENERATE_PROFILE=0`` nothing
-is measured and every row count runs packed.
+and is not saved); a module whose packed pass won at no count is not routed at all. With
+``SPARK_GENERATE_PROFILE=0`` nothing is measured and every row count runs packed.
 
 What changes is the order of float32 additions inside each dot product, not the function: logits
 move by rounding (about 1e-4 on SmolLM2's logits, argmax unchanged on every prompt position we
@@ -286,8 +285,8 @@ def _packed_wins(layers: list[nn.Linear]) -> tuple[bool, ...]:
     Looked up by the layers' shapes (in order) in memory, then in the cache file of this processor,
     thread count and torch version; shapes found in neither are timed (:func:`_time_passes`) and
     added to the file (written atomically; kept in memory only when other processes loaded the
-    machine meanwhile, :class:`~spark_generate.config.LoadWatch`). Layers that are never to run packed keep no packed
-    copy. ``SPARK_GENERATE_PROFILE=0``: packed at every count, without measuring.
+    machine meanwhile, :class:`~spark_generate.config.LoadWatch`). Layers that are never to run
+    packed keep no packed copy. ``SPARK_GENERATE_PROFILE=0``: packed at every count, without measuring.
     """
     if os.environ.get("SPARK_GENERATE_PROFILE", "1") == "0":
         return (True,) * len(CROSSOVER_ROWS)

@@ -13,8 +13,7 @@ batch size, profiled once and cached as JSON under ``$SPARK_GENERATE_CACHE/costs
 generation depends on the plan, so it is reproducible run to run on the same machine). A table
 measured while other processes kept the processors busy (:class:`~spark_generate.config.LoadWatch`)
 would plan every later generation with their noise: it serves the process that measured it and
-is not saved. With
-``SPARK_GENERATE_PROFILE=0`` nothing is measured and the built-in
+is not saved. With ``SPARK_GENERATE_PROFILE=0`` nothing is measured and the built-in
 :meth:`~spark_generate.schedule.CostTable.estimate` is used. Threads whose first generations need
 the same table at once measure it once: the others wait for it (measuring side by side would
 time each other).
