@@ -62,7 +62,11 @@ the target in process) and is evaluated here the same way.
 **A deeper head** (``--draft-layers N`` when a round is planned): the round's start grows to ``N``
 draft layers that draft exactly as it did (the new ones as identities:
 :func:`~spark_generate.training.initialization.grow_draft_layers`), so the gate judges what the
-extra depth learns, never a worse start; its cost per round shows in the peer benchmark.
+extra depth learns, never a worse start; its cost per round shows in the peer benchmark. The new
+layers have seen no answer, so such a round should train on all of them (``--replay-stride 1``, which
+reads the caches its earlier rounds built for the same answers) for about an epoch (``--num-steps``):
+
+    python examples/improve_smollm2_head.py --draft-layers 2 --replay-stride 1 --num-steps 5000 --max-minutes 150
 """
 
 from __future__ import annotations
@@ -204,7 +208,9 @@ def corpus_documents(
 
     Returns:
         Per part (``<corpus>-<from>-<to>`` for new answers, ``<corpus>-replay<stride>-<to>`` for
-        replayed ones), the training split (prompt index % ``HOLDOUT_STRIDE``) of its answers; the counts.
+        replayed ones, ``<corpus>-0-<to>`` when all of them are: the same answers, so one feature
+        cache serves both), the training split (prompt index % ``HOLDOUT_STRIDE``) of its answers; the
+        counts.
     """
     corpora = {corpus.file: recipe._records(corpus) for corpus in recipe.CORPORA.values()}
     corpora.update(grow_corpus.answered_slices())
@@ -219,8 +225,9 @@ def corpus_documents(
     parts = {}
     for name, count in counts.items():
         stem, before = name.removesuffix(".jsonl"), min(trained.get(name, 0), count)
+        replayed = f"{stem}-0-{before}" if replay_stride == 1 else f"{stem}-replay{replay_stride}-{before}"
         selections = {
-            f"{stem}-replay{replay_stride}-{before}": (corpora[name][:before][::replay_stride], "replayed"),
+            replayed: (corpora[name][:before][::replay_stride], "replayed"),
             f"{stem}-{before}-{count}": (corpora[name][before:count], "new"),
         }
         for part, (records, kind) in selections.items():
@@ -408,6 +415,8 @@ def stage_train(
     max_minutes: float | None,
     lease_deadline: float | None = None,
     draft_layers: int | None = None,
+    replay_stride: int | None = None,
+    num_steps: int | None = None,
 ) -> Path | None:
     """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done.
 
@@ -415,7 +424,10 @@ def stage_train(
     planned to finish by then: the target in process, ``LEASE_ROUND`` for :func:`fitted_steps` steps.
     With ``draft_layers`` more than its start's, a new round trains a deeper head that starts drafting
     exactly as its start (:func:`~spark_generate.training.initialization.grow_draft_layers`; saved as
-    ``GROWN_START`` in the round's folder, its layer count recorded in the plan).
+    ``GROWN_START`` in the round's folder, its layer count recorded in the plan). ``replay_stride`` and
+    ``num_steps`` replace ``REPLAY_STRIDE`` and ``ROUND``'s steps for a new round planned here: 1 and
+    about an epoch's steps make a *capacity round*, which trains on every answer again (a deeper head
+    has not seen any).
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     folder = round_folder(workdir)
@@ -423,7 +435,7 @@ def stage_train(
     if not (folder / "round.json").exists():
         source = warm_start_source(workdir)
         trained = trained_counts(source)
-        stride = REPLAY_STRIDE if lease_deadline is None else LEASE_REPLAY_STRIDE
+        stride = replay_stride or (REPLAY_STRIDE if lease_deadline is None else LEASE_REPLAY_STRIDE)
         parts, counts = corpus_documents(None, trained, stride)
         start = source.relative_to(REPOSITORY) if source.is_relative_to(REPOSITORY) else source
         record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": stride,
@@ -434,7 +446,8 @@ def stage_train(
             record["draft_layers"] = draft_layers
         heads = round_heads(folder, record)
         if lease_deadline is None:
-            record.update(settings=ROUND, cache_autocast=CACHE_AUTOCAST, cache_batch_size=CACHE_BATCH)
+            settings = ROUND if num_steps is None else {**ROUND, "num_steps": num_steps}
+            record.update(settings=settings, cache_autocast=CACHE_AUTOCAST, cache_batch_size=CACHE_BATCH)
         else:
             record["settings"] = {**LEASE_ROUND, "num_steps": fitted_steps(parts, heads, target, lease_deadline)}
         save_ablation_start(heads[1], folder / ABLATION_START)
@@ -791,6 +804,11 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="draft layers of a new round's head; more than its start's grows it "
                              "(the new layers start as identities)")  # fmt: skip
+    parser.add_argument("--replay-stride", type=int, default=None,
+                        help=f"a new round replays one in this many answers its start saw (default {REPLAY_STRIDE}; "
+                             "1 trains on the whole corpus, as a round that grows the head should)")  # fmt: skip
+    parser.add_argument("--num-steps", type=int, default=None,
+                        help=f"training steps of a new round planned here (default {ROUND['num_steps']})")  # fmt: skip
     parser.add_argument("--lease-minutes", type=float, default=None,
                         help="plan a new round to finish within this many minutes from now, the target in process "
                              "(a lent accelerator, whose machine keeps nothing; examples/lease_round.sh)")  # fmt: skip
@@ -798,6 +816,11 @@ def main() -> None:
     lease_deadline = None if args.lease_minutes is None else time.monotonic() + 60 * args.lease_minutes
     if args.lease_minutes is not None and args.stage not in ("train", "ablation"):
         parser.error("--lease-minutes trains only (--stage train or ablation): evaluate on the machine that keeps it")
+    if args.lease_minutes is not None and args.num_steps is not None:
+        parser.error("--num-steps plans a round for this machine; a lease round fits its steps to the lease")
+    for name in ("replay_stride", "num_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
@@ -819,7 +842,8 @@ def main() -> None:
         print("DFlash ablation, online tau: " + " / ".join(f"{d} {r['tau']:.2f}" for d, r in reports.items()))
         return
     if args.stage != "eval":
-        checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline, args.draft_layers)
+        checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline, args.draft_layers,
+                                 args.replay_stride, args.num_steps)  # fmt: skip
     else:
         folder = round_folder(args.workdir)
         checkpoint = recipe._latest_checkpoint(folder)

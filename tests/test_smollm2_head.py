@@ -355,15 +355,24 @@ def test_a_cpu_round_caches_the_targets_states_from_a_bfloat16_forward(
     generator = torch.Generator().manual_seed(0)
     documents = [torch.randint(0, target.config.vocab_size, (40,), generator=generator).tolist() for _ in range(4)]
     part = TokenDataset(tuple(map(tuple, documents)), tuple((0,) * 8 + (1,) * 32 for _ in documents), "random")
-    monkeypatch.setattr(improve, "corpus_documents", lambda *args, **kwargs: ({"random-0-4": part}, {"r.jsonl": 4}))
+    strides = []
+
+    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE):
+        strides.append(replay_stride)
+        return {"random-0-4": part}, {"r.jsonl": 4}
+
+    monkeypatch.setattr(improve, "corpus_documents", corpus_documents)
     monkeypatch.setattr(improve, "ROUND", {**improve.ROUND, "num_steps": 2, "batch_size": 2, "num_anchors": 4,
                                            "compile_loss": False})  # fmt: skip
     monkeypatch.setattr(improve.recipe, "SCALE_DOCUMENTS", 2)
-    checkpoint = improve.stage_train(tmp_path, target, tokenizer, None)
+    # A capacity round: every answer replayed, its own number of steps, both kept by the plan when it resumes.
+    checkpoint = improve.stage_train(tmp_path, target, tokenizer, None, replay_stride=1, num_steps=3)
     plan = improve.plan_of(improve.round_folder(tmp_path))
     assert plan["cache_autocast"] == improve.CACHE_AUTOCAST == "bfloat16" and not plan["target_in_process"]
     assert plan["cache_batch_size"] == improve.CACHE_BATCH > 1
-    assert checkpoint.name == "checkpoint-0000002"
+    assert plan["replay_stride"] == 1 and set(strides) == {1} and plan["settings"]["num_steps"] == 3
+    assert checkpoint.name == "checkpoint-0000003"
+    assert improve.stage_train(tmp_path, target, tokenizer, None) == checkpoint
     layer_ids = improve.recipe.layer_ids(target)
     built = [improve.stage_cache(tmp_path, target, tokenizer, {"random-0-4": part}, layer_ids, None, autocast)
              for autocast in ("bfloat16", None)]  # fmt: skip
@@ -435,6 +444,11 @@ def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
         == halves[f"reasoning_gym-000-0-{pinned[untrained]}"].sequences
     )
     assert not any(name.startswith("reasoning_gym-000-replay") for name in rounds)  # nothing trained before
+    # Replaying every answer: the part of the answers a round from nothing had, so it reads the same cache.
+    everything, _ = improve.corpus_documents(pinned | {"stdlib-000.jsonl": 2000}, trained, replay_stride=1)
+    assert everything["stdlib-000-0-1000"].sequences == halves["stdlib-000-0-1000"].sequences
+    assert everything["stdlib-000-1000-2000"].sequences == rounds["stdlib-000-1000-2000"].sequences
+    assert not any("replay" in name for name in everything)
 
 
 def test_a_round_starts_past_the_answers_its_start_was_trained_on(tmp_path, monkeypatch):
