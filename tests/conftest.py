@@ -8,13 +8,18 @@ through Triton's CPU interpreter. Hypothesis profiles are sized for a 2-core CI 
 test modules choose their sizes and dtype by keyword (``from conftest import tiny_target``).
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Cost tables profiled by the default schedule go to a fresh folder, not the user's cache.
-os.environ.setdefault("SPARK_GENERATE_CACHE", tempfile.mkdtemp(prefix="spark-generate-tests-"))
+# Cost tables profiled by the default schedule go to a fresh folder, not the user's cache, removed at exit
+# (it holds a copy of the SmolLM2 zoo model: half a gigabyte a run).
+if "SPARK_GENERATE_CACHE" not in os.environ:
+    os.environ["SPARK_GENERATE_CACHE"] = tempfile.mkdtemp(prefix="spark-generate-tests-")
+    atexit.register(shutil.rmtree, os.environ["SPARK_GENERATE_CACHE"], ignore_errors=True)
 # ... and are saved whatever else runs on the machine (tests of that guard set their own limit).
 os.environ.setdefault("SPARK_GENERATE_MAX_OTHER_CORES", "inf")
 
