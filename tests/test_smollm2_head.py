@@ -330,16 +330,17 @@ def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_proces
     steps = improve.fitted_steps({"random-0-6": part}, (shipped, shipped), target, time.monotonic() + 120)
     assert improve.PROBE_STEPS <= steps < 120 / 0.01
     monkeypatch.setattr(improve, "fitted_steps", lambda *args: 3)
-    # This round also grows the head to two draft layers, the new one starting as an identity.
-    checkpoint = improve.stage_train(tmp_path, target, None, None, time.monotonic() + 600, draft_layers=2)
+    # This round also grows the head by a draft layer, the new one starting as an identity.
+    deeper = DSparkHead.from_pretrained(shipped).config.num_draft_layers + 1
+    checkpoint = improve.stage_train(tmp_path, target, None, None, time.monotonic() + 600, draft_layers=deeper)
     folder = improve.round_folder(tmp_path)
     plan = improve.plan_of(folder)
     assert plan["settings"] == {**improve.LEASE_ROUND, "num_steps": 3} and plan["target_in_process"]
     assert plan["replay_stride"] == improve.LEASE_REPLAY_STRIDE == 1 and set(strides) == {1}
-    assert improve.REPOSITORY / plan["warm_start"] == shipped and plan["draft_layers"] == 2
+    assert improve.REPOSITORY / plan["warm_start"] == shipped and plan["draft_layers"] == deeper
     assert checkpoint.name == "checkpoint-0000003" and not (tmp_path / "features").exists()
     for start in (checkpoint, folder / improve.GROWN_START, folder / improve.ABLATION_START):
-        assert DSparkHead.from_pretrained(start).config.num_draft_layers == 2
+        assert DSparkHead.from_pretrained(start).config.num_draft_layers == deeper
     # Back here, the round reads as finished by its own settings, not the CPU rounds' 4,000 steps.
     assert improve.stage_train(tmp_path, target, None, None) == checkpoint
     assert improve.warm_start_source(tmp_path) == shipped  # the round is not recorded yet: still round 0
