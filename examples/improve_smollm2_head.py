@@ -66,7 +66,7 @@ extra depth learns, never a worse start; its cost per round shows in the peer be
 layers have seen no answer, so such a round should train on all of them (``--replay-stride 1``, which
 reads the caches its earlier rounds built for the same answers) for about an epoch (``--num-steps``):
 
-    python examples/improve_smollm2_head.py --draft-layers 2 --replay-stride 1 --num-steps 5000 --max-minutes 150
+    python examples/improve_smollm2_head.py --draft-layers 2 --replay-stride 1 --num-steps 4000 --max-minutes 150
 """
 
 from __future__ import annotations
