@@ -111,7 +111,7 @@ from spark_generate.training.regenerate import prompt_ids
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 DSPARK_HEAD = ROOT / "model_cards" / "smollm2-135m-instruct-dspark"
-DFLASH_HEAD = cache_folder() / "runs" / "smollm2" / "dflash-export"  # where the recipe exports it
+DFLASH_HEAD = cache_folder() / "runs" / "smollm2" / "dflash-export"  # where the recipes export it (both)
 DOMAINS = (*prompt_sets.DOMAINS, "copy")
 PLAIN_SYSTEMS = ("plain", "plain-packed", "plain-compiled", "prompt-lookup", "prompt-lookup-packed")
 SUFFIX_SETTING = {

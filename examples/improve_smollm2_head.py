@@ -38,7 +38,8 @@ not help:
    less those two heads (saved in the round's folder when it begins, or on another machine taken from
    the committed head of that digest in git history), and trains on the same answers
    with the same settings and seed, so the two differ only by the Markov head; its online tau is
-   added to the round's entry in ``rounds.json`` and to the card.
+   added to the round's entry in ``rounds.json`` and to the card, and the shipped round's ablation
+   is exported to ``<workdir>/dflash-export``, where the peer benchmark's ``dflash`` system reads it.
 
     python examples/improve_smollm2_head.py --max-minutes 80     # train (resumes), then eval and promote
     python examples/improve_smollm2_head.py --stage eval         # only once the round's training is done
@@ -118,6 +119,7 @@ ROUND = {
 ABLATION = recipe.VARIANTS["dflash"]  # the round's head without its Markov and confidence heads
 ABLATION_START = "dflash-start"  # in a round's folder: the weights its ablation starts from
 GROWN_START = "grown-start"  # in a round's folder: the deeper head a round with more draft layers starts from
+ABLATION_EXPORT = "dflash-export"  # in the workdir: the shipped round's ablation, which the peer benchmark reads
 EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the round's online tau)
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
@@ -581,8 +583,27 @@ def stage_ablation(workdir: Path, target, tokenizer, max_minutes: float | None) 
     rounds[-1]["dflash_online_tau"] = {domain: report["tau"] for domain, report in reports.items()}
     write_json_atomically(ROUNDS, rounds)
     if entry.get("shipped_after") == shipped_digest():
+        export_ablation(recipe._latest_checkpoint(folder / "dflash"), workdir / ABLATION_EXPORT)
         write_card(EXPORT)
     return reports
+
+
+def export_ablation(checkpoint: Path, destination: Path) -> None:
+    """Writes the shipped round's DFlash ablation where the peer benchmark reads it, in bfloat16, atomically.
+
+    Its weights stay in the cache folder (the card's 40 MB are the shipped head's); the card and
+    ``rounds.json`` keep its online tau, and ``--stage ablation`` makes it again on a new machine.
+    """
+    staging = destination.with_name(destination.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16).save_pretrained(staging)
+    shutil.copy(checkpoint / "provenance.json", staging / "provenance.json")
+    retired = destination.with_name(destination.name + ".old")
+    shutil.rmtree(retired, ignore_errors=True)
+    if destination.exists():
+        os.replace(destination, retired)
+    os.replace(staging, destination)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def eval_answers(workdir: Path, target, tokenizer) -> dict[str, TokenDataset]:
@@ -746,8 +767,8 @@ def write_card(destination: Path) -> None:
     lines = [
         "\n## Rounds\n",
         "| round | new answers | replayed | steps x documents | draft layers | tau before, code / math / chat "
-        "| after | mean gain | shipped |",
-        "|---:|---:|---:|---:|---|---|---|---:|---|",
+        "| after | mean gain | shipped | its DFlash ablation | DSpark over DFlash |",
+        "|---:|---:|---:|---:|---|---|---|---:|---|---|---:|",
     ]
     for number, entry in enumerate(rounds, start=1):
         before, after = _taus(entry["online_tau_before"]), _taus(entry["online_tau_after"])
@@ -758,9 +779,13 @@ def write_card(destination: Path) -> None:
         replayed = sum(-(-count // stride) for count in earlier.values())
         batch = entry.get("settings", ROUND)["batch_size"]
         layers = f"grown to {entry['draft_layers']}" if "draft_layers" in entry else "as its start"
+        ablation, gain = "not trained", "-"
+        if "dflash_online_tau" in entry:
+            dflash, dspark = entry["dflash_online_tau"], entry["online_tau_after"]
+            ablation, gain = _taus(dflash), f"{sum(dspark.values()) / sum(dflash.values()) - 1:+.1%}"  # of the means
         lines.append(
             f"| {number} | {new:,} | {replayed:,} | {entry['steps']:,} x {batch} | {layers} | {before} | {after} "
-            f"| {entry['mean_gain']:+.1%} | {shipped} |"
+            f"| {entry['mean_gain']:+.1%} | {shipped} | {ablation} | {gain} |"
         )
     text = str(card) + "\n".join(lines) + "\n"
     text += (

@@ -506,3 +506,21 @@ def test_rounds_are_judged_on_the_targets_greedy_answers_to_every_evaluation_pro
     for report in reports.values():
         assert report["prompts"] == 2 and 2 <= report["new_tokens"] <= 8 and 1 <= report["tau"] <= 4
         assert len(report["acceptance_by_position"]) == 7
+
+
+def test_the_shipped_rounds_ablation_is_exported_where_the_benchmark_reads_it(tmp_path, monkeypatch):
+    """The ablation's final weights in bfloat16 with their provenance; a later export replaces them whole."""
+    improve = _improve(monkeypatch)
+    checkpoint = tmp_path / "checkpoint-0000004"
+    improve.save_ablation_start(HEAD, checkpoint)
+    (checkpoint / "provenance.json").write_text(json.dumps({"steps": 4}))
+    destination = tmp_path / improve.ABLATION_EXPORT
+    (destination / "stale").mkdir(parents=True)
+    improve.export_ablation(checkpoint, destination)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-0000004", improve.ABLATION_EXPORT]
+    assert not (destination / "stale").exists()
+    assert json.loads((destination / "provenance.json").read_text()) == {"steps": 4}
+    exported, source = DSparkHead.from_pretrained(destination), DSparkHead.from_pretrained(checkpoint)
+    assert exported.dtype == torch.bfloat16 and exported.markov_head is None
+    state = source.to(torch.bfloat16).state_dict()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in exported.state_dict().items())
