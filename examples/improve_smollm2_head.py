@@ -789,8 +789,8 @@ def write_card(destination: Path) -> None:
         )
     text = str(card) + "\n".join(lines) + "\n"
     text += (
-        "\nLearning curve of the last round (teacher-forced metrics of each step's training batch): "
-        "![learning curve](learning_curve.png)\n"
+        "\nLearning curve of the round that trained these weights (teacher-forced metrics of each step's "
+        "training batch): ![learning curve](learning_curve.png)\n"
         "\nCalibration of the confidence head (STS, reliability diagram): ![reliability](reliability.png)\n"
     )
     text += recipe.benchmark_and_usage(destination, "examples/improve_smollm2_head.py")
