@@ -598,6 +598,14 @@ def export_ablation(checkpoint: Path, destination: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16).save_pretrained(staging)
     shutil.copy(checkpoint / "provenance.json", staging / "provenance.json")
+    swap_in(staging, destination)
+
+
+def swap_in(staging: Path, destination: Path) -> None:
+    """Replaces the folder ``destination`` (if any) by the complete ``staging``, by two renames.
+
+    A cut-off swap leaves either folder whole (the old one as ``<name>.old`` between the renames).
+    """
     retired = destination.with_name(destination.name + ".old")
     shutil.rmtree(retired, ignore_errors=True)
     if destination.exists():
@@ -811,11 +819,7 @@ def export(workdir: Path, checkpoint: Path, target, tokenizer) -> None:
     recipe.calibrate(head, target, calibration_set, staging / "calibration.json", staging / "reliability.png")
     plot_history(json.loads((checkpoint / "history.json").read_text()), staging / "learning_curve.png")
     shutil.copy(round_folder(workdir) / "eval.json", staging / "online_eval.json")
-    retired = EXPORT.with_name(EXPORT.name + ".old")
-    shutil.rmtree(retired, ignore_errors=True)
-    os.replace(EXPORT, retired)
-    os.replace(staging, EXPORT)
-    shutil.rmtree(retired)
+    swap_in(staging, EXPORT)
 
 
 def main() -> None:
