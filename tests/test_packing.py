@@ -274,7 +274,10 @@ def test_a_module_whose_packed_kernels_never_win_is_not_routed_and_keeps_no_copi
 
 @pytest.mark.parametrize("slow_below", [0, 8, 65])
 def test_the_passes_are_timed_at_every_row_count(monkeypatch, slow_below):
-    """Against packed kernels that sleep 2 ms below ``slow_below`` rows and return at once from it."""
+    """Against packed kernels that sleep 20 ms below ``slow_below`` rows and return at once from it.
+
+    (20 ms, not less: on a 2-core VM the first ``sgemm`` after such a sleep can take 7 ms to wake its threads.)
+    """
     layers = [nn.Linear(256, 256), nn.Linear(256, 128)]
     weights = [
         (layer.weight.detach(), torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
@@ -284,7 +287,7 @@ def test_the_passes_are_timed_at_every_row_count(monkeypatch, slow_below):
 
     def packed_linear(inputs, packed, bias):
         if len(inputs) < slow_below:
-            time.sleep(0.002)
+            time.sleep(0.02)
         return fake
 
     monkeypatch.setattr(packing, "_packed_linear", packed_linear)
