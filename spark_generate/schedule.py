@@ -323,9 +323,9 @@ class AdaptiveSchedule:
         smoothing: Weight of the newest drafted round in the running means of the gain.
         max_backoff: The most plain steps between two probing rounds.
         probe_budget: While the head is not expected to pay, it still drafts once the rounds without
-            it, each counted as this share of a plain step, add up to the cost of its drafting pass
-            (so such probes cost at most this share of the time; at the latest after
-            ``max_backoff`` rounds).
+            it, each counted as this share of a plain step, add up to what a probe costs beyond a
+            plain step (its drafting pass and a forward over one draft more per row), so such probes
+            cost about this share of the time; at the latest after ``max_backoff`` rounds.
     """
 
     cost_table: CostTable | None = None
@@ -581,8 +581,9 @@ class AdaptiveRun:
         steps. The best plan wins (ties: without the head, then narrower); a plain step of every row
         is the plan of value 1. A turn whose head plan is not expected to beat plain steps counts as
         a probe that did not pay (the head steps aside for twice as long), except once the rounds it
-        has not drafted have paid for a probe (``probe_budget`` of a plain step each, up to
-        ``max_backoff`` rounds), when it drafts anyway: its record is from the past, and what it
+        has not drafted have paid for a probe (``probe_budget`` of a plain step each against the
+        drafting pass and the wider forward of a one-draft round, up to ``max_backoff`` rounds),
+        when it drafts anyway: its record is from the past, and what it
         drafts may have changed. The round's costs (here, in :meth:`lengths` and :meth:`record`)
         are the table's at ``context_length`` (:meth:`CostTable.at_context`).
         """
@@ -619,7 +620,8 @@ class AdaptiveRun:
         if head_turn and plans[1][0] <= 1.0:  # the head's turn, but it is not expected to pay at all
             # Its record may be out of date: it probes once the rounds without it have paid for a probe.
             waited, settings = self.rounds_without_head, self.settings
-            if waited * settings.probe_budget < table.draft_seconds / base and waited < settings.max_backoff:
+            probe_cost = (table.draft_seconds + float(forwards[1]) - base) / base  # beyond a plain step
+            if waited * settings.probe_budget < probe_cost and waited < settings.max_backoff:
                 self._step_aside()  # as after a probe that did not pay
             else:
                 option = 1

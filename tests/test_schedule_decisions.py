@@ -265,6 +265,24 @@ def test_the_head_runs_only_where_its_record_says_a_round_pays_and_a_declined_tu
     assert run.sources(None, 1, head_slots=3).tolist() == [PLAIN] and run.plain_steps_left == 1
 
 
+def test_a_probe_is_paid_for_with_its_wider_forward_not_only_its_drafting_pass():
+    """A probe costs its drafting pass and a forward over one draft more per row: both are paid for first.
+
+    Drafting costs 0.1 of a forward and the first draft 0.6 more: before evidence the head's best
+    round is worth 1.75 / 1.9 < 1. With a probe budget of a tenth of a plain step per round, the
+    0.7-step probe is paid for after 7 rounds without the head (the first turn after them is the
+    eleventh round: declined turns back off 1, 2, 4 rounds); counting the 0.1-step pass alone, it
+    would probe at the third.
+    """
+    wide = CostTable((1, 2, 3, 4), (1.0, 1.6, 1.8, 2.0), draft_seconds=0.1)
+    run = AdaptiveSchedule(wide, probe_budget=0.1).start(wide, 3)
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(11)]
+    assert turns == [PLAIN] * 10 + [HEAD]
+    rows = CostTable((2, 4, 6, 8), (1.0, 1.6, 1.8, 2.0), draft_seconds=0.1)  # two rows: the forward over 4 tokens
+    run = AdaptiveSchedule(rows, probe_budget=0.1).start(rows, 3)
+    assert [int(run.sources(None, 2, head_slots=3)[0]) for _ in range(11)] == [PLAIN] * 10 + [HEAD]
+
+
 def test_a_head_round_and_a_suffix_draft_share_a_batch_where_each_row_expects_more_from_its_own():
     """With the head drafting, a row takes the suffix draft only where it is worth more than the head's."""
     table = CostTable((1, 2, 4, 8), (1.0, 1.0, 1.0, 1.0), draft_seconds=0.1)
