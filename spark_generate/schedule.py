@@ -583,8 +583,8 @@ class AdaptiveRun:
         a probe that did not pay (the head steps aside for twice as long), except once the rounds it
         has not drafted have paid for a probe (``probe_budget`` of a plain step each against the
         drafting pass and the wider forward of a one-draft round, up to ``max_backoff`` rounds),
-        when it drafts anyway: its record is from the past, and what it
-        drafts may have changed. The round's costs (here, in :meth:`lengths` and :meth:`record`)
+        when it drafts anyway: its record is from the past, and what it drafts may have changed.
+        The round's costs (here, in :meth:`lengths` and :meth:`record`)
         are the table's at ``context_length`` (:meth:`CostTable.at_context`).
         """
         self.round_costs = self.cost_table.at_context(context_length)

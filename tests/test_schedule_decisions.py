@@ -245,15 +245,16 @@ def test_the_head_runs_only_where_its_record_says_a_round_pays_and_a_declined_tu
     1.5 / 1.7 < 1, two 1.75 / 1.8 < 1 and three 1.875 / 1.9 < 1, so on this table the head does
     not draft; its turns are declined as probes that did not pay (1, then 2 plain rounds after
     them) until it has not drafted for ``max_backoff=4`` rounds, when it drafts anyway (or once
-    the rounds without it have paid for its pass at ``probe_budget`` per round). With a
+    the rounds without it have paid for a probe at ``probe_budget`` per round). With a
     cheaper pass (0.2) it drafts at once; after rounds that accepted nothing, it no longer pays.
     """
     dear = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.6)
     run = AdaptiveSchedule(dear, max_backoff=4).start(dear, 3)
     turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(6)]
     assert turns == [PLAIN, PLAIN, PLAIN, PLAIN, PLAIN, HEAD] and run.rounds_without_head == 0
-    # With a probe budget of a tenth of a plain step per round, the 0.6-step pass is paid for after 6
-    # rounds without the head: the first turn after them (declined turns back off 1, 2, 4 rounds).
+    # With a probe budget of a tenth of a plain step per round, the 0.7-step probe (the 0.6-step pass and
+    # 0.1 for the wider forward) is paid for after 7 rounds without the head: the first turn after them
+    # (declined turns back off 1, 2, 4 rounds).
     run = AdaptiveSchedule(dear, probe_budget=0.1).start(dear, 3)
     turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(11)]
     assert turns == [PLAIN] * 10 + [HEAD]
