@@ -75,7 +75,11 @@ processor), and the same command continues with the next cell; a run of other se
 or changed sources starts over. A session on another processor starts that processor's own
 recording beside the first (never mixing machines in one table) and continues it when it gets that
 processor again.
-Every ratio is taken within a cell, whose systems always run in one process.
+Every ratio is taken within a cell, whose systems always run in one process, and every system runs
+with glibc keeping freed memory for reuse (``--allocator retain``,
+:func:`spark_generate.retain_freed_memory`; ``--allocator default`` leaves glibc's defaults): with
+the defaults a batch-16 call spends seconds faulting in the buffers the previous layer freed, which
+moved batch-16 ratios by about ±15% between identical systems.
 
     python benchmarks/bench_generate.py                      # one run per system per cell
     python benchmarks/bench_generate.py --repeats 4 --compile --max-minutes 150   # the recording; rerun to continue
@@ -101,7 +105,7 @@ from transformers import CompileConfig
 
 import spark_generate
 from spark_generate import DSparkForCausalLM, copy_heavy, packed_linears, prompt_sets, zoo
-from spark_generate.config import cache_folder, write_json_atomically
+from spark_generate.config import cache_folder, retain_freed_memory, write_json_atomically
 from spark_generate.heads import DSparkHead
 from spark_generate.profiling import cost_table_for
 from spark_generate.schedule import FixedLength, GoodputSchedule, load_calibration
@@ -583,7 +587,13 @@ def main() -> None:
     parser.add_argument(
         "--max-minutes", type=float, default=None, help="stop between cells after this long; rerun to continue"
     )
+    parser.add_argument(
+        "--allocator", choices=("retain", "default"), default="retain",
+        help="retain: glibc keeps freed memory for reuse, for every system (spark_generate.retain_freed_memory)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.allocator == "retain" and not retain_freed_memory():
+        args.allocator = "default (the C library is not glibc)"
     if "plain-compiled" in args.systems and not args.compile:
         parser.error("plain-compiled runs only with --compile")
     if args.compile and "plain-compiled" not in args.systems:
@@ -634,7 +644,7 @@ def main() -> None:
         f"SmolLM2-135M-Instruct (Q4_1 GGUF, de-quantized), float32, {args.threads} torch threads, "
         f"{args.prompts} prompts per cell (one full batch when larger), up to {args.max_new_tokens} new tokens, "
         f"median of {args.repeats} interleaved runs per system (ratios: medians of paired ratios, "
-        f"systems in alternating order); {log.span()}; "
+        f"systems in alternating order); allocator: {args.allocator}; {log.span()}; "
         f"{args.note}"
     )
     head = f"head: {DSPARK_HEAD.name}/model.safetensors sha256 {head_digest}"  # the card checks it

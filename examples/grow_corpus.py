@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from spark_generate import prompt_sets, zoo
+from spark_generate import prompt_sets, retain_freed_memory, zoo
 from spark_generate.training.prompt_synthesis import (
     MagpieSettings,
     MagpieSource,
@@ -204,6 +204,7 @@ def stage_regenerate(target, tokenizer, prompts_path: Path, max_minutes: float |
 
 def _worker(prompts_path: Path, max_minutes: float | None, threads: int) -> bool:
     """One regeneration process: loads the target and answers unclaimed slices (``stage_regenerate``)."""
+    retain_freed_memory()  # a spawned worker starts with glibc's defaults
     if threads:
         torch.set_num_threads(threads)
     target, tokenizer = zoo.load(TARGET)
@@ -252,6 +253,7 @@ def main() -> None:
         "--workers", type=int, default=1, help="regeneration processes, one torch thread each when more than 1"
     )
     args = parser.parse_args()
+    retain_freed_memory()  # batched forwards free large buffers every layer: reuse them, not fault them in again
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     prompts_path = stage_prompts()

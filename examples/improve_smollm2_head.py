@@ -88,7 +88,7 @@ import train_smollm2_head as recipe
 from tqdm.auto import tqdm
 
 from spark_generate import packed_linears, prompt_sets, zoo
-from spark_generate.config import cache_folder, write_json_atomically
+from spark_generate.config import cache_folder, retain_freed_memory, write_json_atomically
 from spark_generate.heads import DSparkHead
 from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
 from spark_generate.training.data import TokenDataset
@@ -842,6 +842,7 @@ def main() -> None:
                         help="plan a new round to finish within this many minutes from now, the target in process "
                              "(a lent accelerator, whose machine keeps nothing; examples/lease_round.sh)")  # fmt: skip
     args = parser.parse_args()
+    retain_freed_memory()  # batched forwards free large buffers every layer: reuse them, not fault them in again
     lease_deadline = None if args.lease_minutes is None else time.monotonic() + 60 * args.lease_minutes
     if args.lease_minutes is not None and args.stage not in ("train", "ablation"):
         parser.error("--lease-minutes trains only (--stage train or ablation): evaluate on the machine that keeps it")

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 
 from spark_generate import prompt_sets, zoo
-from spark_generate.config import cache_folder
+from spark_generate.config import cache_folder, retain_freed_memory
 from spark_generate.heads import DSparkHead
 from spark_generate.training import (
     FeatureCache,
@@ -550,6 +550,7 @@ def main() -> None:
                         help="budget of each long stage (regenerate, cache, train); rerun to continue")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    retain_freed_memory()  # batched forwards free large buffers every layer: reuse them, not fault them in again
     if args.threads:
         torch.set_num_threads(args.threads)
     workdir = args.workdir

@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spark_generate.config import DSparkConfig
+    from spark_generate.config import DSparkConfig, retain_freed_memory
     from spark_generate.generation import decode
     from spark_generate.heads import DSparkHead
     from spark_generate.kernels import RandomStream, rejection_sample
@@ -48,6 +48,7 @@ _LAZY_EXPORTS = {
     "packed_linears": "spark_generate.packing",
     "profile_costs": "spark_generate.profiling",
     "rejection_sample": "spark_generate.kernels",
+    "retain_freed_memory": "spark_generate.config",
     "sample": "spark_generate.sampling",
 }
 
@@ -80,5 +81,6 @@ __all__ = [
     "packed_linears",
     "profile_costs",
     "rejection_sample",
+    "retain_freed_memory",
     "sample",
 ]

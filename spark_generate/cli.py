@@ -687,6 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one subcommand; prints its summary line (or the error, one line) and returns the exit status."""
     args = build_parser().parse_args(argv)
+    from spark_generate.config import retain_freed_memory
+
+    retain_freed_memory()  # an application's choice: batched CPU forwards reuse freed buffers, not fault them in
     hub_logger = logging.getLogger("huggingface_hub")
     level = hub_logger.level
     hub_logger.setLevel(logging.ERROR)  # its retry notices would bury the one-line error of a failed download

@@ -548,6 +548,7 @@ class AdaptiveRun:
     plain_steps_left: int = 0
     backoff: int = 1
     rounds_without_head: int = 0  # rounds since the head last drafted
+    probing: bool = False  # this round's head drafts although its record says they do not pay
     round_costs: CostTable | None = None  # cost_table at this round's context (set by sources)
 
     def __post_init__(self) -> None:
@@ -583,11 +584,13 @@ class AdaptiveRun:
         a probe that did not pay (the head steps aside for twice as long), except once the rounds it
         has not drafted have paid for a probe (``probe_budget`` of a plain step each against the
         drafting pass and the wider forward of a one-draft round, up to ``max_backoff`` rounds),
-        when it drafts anyway: its record is from the past, and what it drafts may have changed.
-        The round's costs (here, in :meth:`lengths` and :meth:`record`)
-        are the table's at ``context_length`` (:meth:`CostTable.at_context`).
+        when it drafts anyway: its record is from the past, and what it drafts may have changed
+        (such a probe verifies at least one draft per row, see :meth:`lengths`). The round's costs
+        (here, in :meth:`lengths` and :meth:`record`) are the table's at ``context_length``
+        (:meth:`CostTable.at_context`).
         """
         self.round_costs = self.cost_table.at_context(context_length)
+        self.probing = False
         head_turn = head_slots > 0 and self.should_draft()
         matched = torch.zeros(num_rows, dtype=torch.bool)  # rows with a suffix draft
         if suffix_confidence_logits is not None:
@@ -624,7 +627,7 @@ class AdaptiveRun:
             if waited * settings.probe_budget < probe_cost and waited < settings.max_backoff:
                 self._step_aside()  # as after a probe that did not pay
             else:
-                option = 1
+                option, self.probing = 1, True
         self.rounds_without_head = 0 if option else self.rounds_without_head + 1
         k = plans[option][1] if option or plans[0][0] > 1.0 else 0
         fallback = DraftSource.HEAD if option else DraftSource.PLAIN
@@ -638,7 +641,12 @@ class AdaptiveRun:
         num_draft_tokens: int,
         sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:func:`lookahead_lengths` on each row's corrected confidences (the running acceptance without them)."""
+        """:func:`lookahead_lengths` on each row's corrected confidences (the running acceptance without them).
+
+        In a round where the head probes (:meth:`sources`), every drafted row verifies at least one
+        draft, whatever the round's confidences say: a probe that verified nothing would pay its
+        drafting pass and learn nothing. That is decided before anything is drafted, so it is lossless.
+        """
         if sources is None:
             sources = torch.full((num_rows,), int(DraftSource.HEAD), dtype=torch.int64)
         sources = sources.cpu()
@@ -667,6 +675,8 @@ class AdaptiveRun:
         if bool(head_rows.any()):  # what the head's turns are judged by (sources)
             self.head.planned(survival[head_rows])
         lengths = lookahead_lengths(survival, acceptance, self.round_costs)
+        if self.probing:  # a probe verifies a draft whatever this round's confidences say: it is there to learn
+            lengths = lengths.clamp(min=1)
         return _within_drafts(lengths, sources, confidence_logits)
 
     def record(

@@ -284,6 +284,26 @@ def test_a_probe_is_paid_for_with_its_wider_forward_not_only_its_drafting_pass()
     assert [int(run.sources(None, 2, head_slots=3)[0]) for _ in range(11)] == [PLAIN] * 10 + [HEAD]
 
 
+def test_a_probe_verifies_a_draft_even_where_its_confidences_would_verify_none():
+    """A probing round is there to learn how the head drafts now: it verifies at least one draft per row.
+
+    On the table of the test above the head's turns are declined until the sixth round, when it
+    probes; its confidences (0.01 a slot) would have it verify nothing, yet the probe verifies
+    slot 1. A round where the head drafts because its record says it pays keeps the
+    lookahead's plan (here: nothing).
+    """
+    dear = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.6)
+    run = AdaptiveSchedule(dear, max_backoff=4).start(dear, 3)
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(6)]
+    assert turns == [PLAIN] * 5 + [HEAD] and run.probing
+    unsure = torch.logit(torch.full((1, 3), 0.01))
+    assert run.lengths(unsure, 1, 3).tolist() == [1]
+    cheap = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.0)
+    run = AdaptiveSchedule(cheap).start(cheap, 3)
+    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD] and not run.probing
+    assert run.lengths(unsure, 1, 3).tolist() == [0]
+
+
 def test_a_head_round_and_a_suffix_draft_share_a_batch_where_each_row_expects_more_from_its_own():
     """With the head drafting, a row takes the suffix draft only where it is worth more than the head's."""
     table = CostTable((1, 2, 4, 8), (1.0, 1.0, 1.0, 1.0), draft_seconds=0.1)
