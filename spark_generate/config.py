@@ -199,7 +199,7 @@ def retain_freed_memory(block_bytes: int = RETAINED_BLOCK_BYTES) -> bool:
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows loads no library by the name None
         return False
     threshold = mallopt(_M_MMAP_THRESHOLD, block_bytes) or mallopt(
         _M_MMAP_THRESHOLD, min(block_bytes, _GLIBC_MAX_MMAP_THRESHOLD)
