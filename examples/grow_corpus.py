@@ -12,12 +12,14 @@ several times larger, session after session, and keeps every step of it committe
    prompts; about 20 seconds. The file depends on the installed standard library and reasoning-gym,
    so it is committed (``examples/data/synthetic/prompts.jsonl.xz``) and restored, never rebuilt
    where a committed one exists.
-2. ``magpie``: the target writes ``MAGPIE.num_prompts`` requests itself
+2. ``magpie``: the target writes requests itself
    (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
-   a user turn, steered toward code, math or chat), filtered and deduplicated against the recipe's
-   and the synthesized prompts, under ``--max-minutes`` and resumable (``magpie.jsonl``, archived
-   with its report after each run). Its requests join the slices (source ``magpie``) as they fill
-   whole slices, and all of them once the synthesis is done.
+   a user turn, steered toward code, math or chat), pool after pool of ``MAGPIE_POOLS`` (another
+   seed draws other requests), each filtered and deduplicated against the recipe's prompts, the
+   synthesized ones and the earlier pools', under ``--max-minutes`` and resumable (``magpie.jsonl``,
+   ``magpie-s1.jsonl``, archived with their reports after each run). A pool's requests join the
+   slices (a source of its own: ``magpie``, ``magpie_s1``; earlier slices never change) as they fill
+   whole slices, and all of them once its synthesis is done.
 3. ``regenerate``: the target answers them greedily (up to ``MAX_NEW_TOKENS`` tokens, the recipe's
    cap), in slices of ``SLICE_PROMPTS`` prompts of one source each (``<source>-<k>.jsonl``, each a
    resumable :func:`~spark_generate.training.regenerate.regenerate` file with packed linears),
@@ -46,6 +48,7 @@ import multiprocessing
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,9 +77,30 @@ BATCH_SIZE = 32  # with packed linears, 83-90 answer tokens/s on 2 cores (64: 54
 SAMPLING = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 ARCHIVE = Path(__file__).resolve().parent / "data" / "synthetic"
 SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
-MAGPIE = MagpieSettings(num_prompts=18_000)  # requests the target writes (candidates, before filtering)
-MAGPIE_FILE = "magpie.jsonl"
 REPORT = ".report.json"  # synthesize_prompts' settings, counts and progress
+
+
+@dataclass(frozen=True)
+class MagpiePool:
+    """Requests the target writes under one seed.
+
+    Attributes:
+        file: Where they are written (in :func:`folder`, archived as ``<file>.xz``).
+        source: The source their slices are named after (``<source>-<k>.jsonl``).
+        settings: What is asked for: ``num_prompts`` candidates before filtering, the seed, the domains.
+    """
+
+    file: str
+    source: str
+    settings: MagpieSettings
+
+
+MAGPIE_POOLS = (
+    MagpiePool("magpie.jsonl", "magpie", MagpieSettings(num_prompts=18_000)),  # 15,169 kept
+    # Code is the domain furthest from its goal: every second request of the next pool is steered there.
+    MagpiePool("magpie-s1.jsonl", "magpie_s1",
+               MagpieSettings(num_prompts=12_000, seed=1, domains=("code", "math", "code", "chat"))),
+)  # fmt: skip
 
 
 def folder() -> Path:
@@ -108,16 +132,24 @@ def stage_prompts() -> Path:
     return path
 
 
-def _magpie_prompts() -> list[dict]:
-    """The Magpie requests usable in slices: all once their synthesis is done, else whole slices' worth."""
-    path = folder() / MAGPIE_FILE
-    _restore(MAGPIE_FILE, (REPORT,))
+def _pool_prompts(pool: MagpiePool) -> tuple[list[dict], bool]:
+    """A pool's requests as written so far (tagged with its source), and whether its synthesis is done."""
+    path = folder() / pool.file
+    _restore(pool.file, (REPORT,))
     if not path.exists() or not path.with_name(path.name + REPORT).exists():
-        return []
+        return [], False
     progress = json.loads(path.with_name(path.name + REPORT).read_text())["progress"]
     records = [json.loads(line) for line in path.read_bytes()[: progress["committed_bytes"]].splitlines()]
-    finished = progress["num_done"] == MAGPIE.num_prompts
-    return records if finished else records[: len(records) // SLICE_PROMPTS * SLICE_PROMPTS]
+    return [{**record, "source": pool.source} for record in records], progress["num_done"] == pool.settings.num_prompts
+
+
+def _magpie_prompts() -> list[dict]:
+    """The Magpie requests usable in slices: per pool, all once its synthesis is done, else whole slices' worth."""
+    usable = []
+    for pool in MAGPIE_POOLS:
+        records, finished = _pool_prompts(pool)
+        usable += records if finished else records[: len(records) // SLICE_PROMPTS * SLICE_PROMPTS]
+    return usable
 
 
 def slices(prompts_path: Path) -> dict[str, list[str]]:
@@ -140,19 +172,30 @@ def slices(prompts_path: Path) -> dict[str, list[str]]:
 
 
 def stage_magpie(target, tokenizer, prompts_path: Path, max_minutes: float | None) -> bool:
-    """Lets the target write ``MAGPIE`` requests (resumable, archived after each run); True once done.
+    """Lets the target write the requests of ``MAGPIE_POOLS`` in turn (resumable, archived after each run).
 
-    Repeats of the recipe's training prompts and of the synthesized prompts are dropped.
+    Repeats of the recipe's training prompts, of the synthesized prompts and of earlier pools' requests are dropped.
+
+    Returns:
+        True once every pool is done.
     """
-    path = folder() / MAGPIE_FILE
-    _restore(MAGPIE_FILE, (REPORT,))
-    synthesized = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
-    result = synthesize_prompts([MagpieSource(target, tokenizer, MAGPIE)], path,
-                                exclude=[*prompt_sets.mixed_training_prompts(), *synthesized],
-                                max_minutes=max_minutes, progress="magpie")  # fmt: skip
-    _archive(MAGPIE_FILE)
-    print(f"magpie: {result.num_kept} kept of {result.num_done} requests written ({result.session_seconds:.0f} s)")
-    return result.num_done == result.num_candidates
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    earlier = [*prompt_sets.mixed_training_prompts()]
+    earlier += [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    for pool in MAGPIE_POOLS:
+        records, finished = _pool_prompts(pool)
+        if not finished:
+            left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
+            result = synthesize_prompts([MagpieSource(target, tokenizer, pool.settings)], folder() / pool.file,
+                                        exclude=earlier, max_minutes=left, progress=pool.source)  # fmt: skip
+            _archive(pool.file)
+            print(f"{pool.source}: {result.num_kept} kept of {result.num_done} requests written "
+                  f"({result.session_seconds:.0f} s)")  # fmt: skip
+            if result.num_done < result.num_candidates:
+                return False
+            records, _ = _pool_prompts(pool)
+        earlier += [record["prompt"] for record in records]
+    return True
 
 
 @contextmanager
@@ -258,8 +301,9 @@ def main() -> None:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     prompts_path = stage_prompts()
     if args.stage == "archive":  # beside running workers too: each file as far as its progress vouches
-        if (folder() / f"{MAGPIE_FILE}{REPORT}").exists():
-            _archive(MAGPIE_FILE)
+        for pool in MAGPIE_POOLS:
+            if (folder() / f"{pool.file}{REPORT}").exists():
+                _archive(pool.file)
         for name in slices(prompts_path):
             if (folder() / f"{name}.progress.json").exists():
                 _archive(name)

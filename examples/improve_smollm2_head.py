@@ -68,6 +68,13 @@ layers have seen no answer, so such a round should train on all of them (``--rep
 reads the caches its earlier rounds built for the same answers) for about an epoch (``--num-steps``):
 
     python examples/improve_smollm2_head.py --draft-layers 2 --replay-stride 1 --num-steps 4000 --max-minutes 150
+
+**Halves in turn** (``--replay-offset``): once the corpus stops growing, a round has no new answers
+and replays a share of the old ones; ``--replay-stride 2 --replay-offset 1`` takes the half that a
+round of offset 0 left out. A part's feature cache copies every answer the caches of earlier parts
+hold (:func:`earlier_caches`, by token ids), so only answers never cached run the target:
+
+    python examples/improve_smollm2_head.py --replay-stride 2 --replay-offset 1 --max-minutes 150
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -90,7 +98,7 @@ from tqdm.auto import tqdm
 from spark_generate import packed_linears, prompt_sets, zoo
 from spark_generate.config import cache_folder, retain_freed_memory, write_json_atomically
 from spark_generate.heads import DSparkHead
-from spark_generate.training import FeatureCache, Trainer, TrainingConfig, build_feature_cache
+from spark_generate.training import FeatureCache, FeatureCacheError, Trainer, TrainingConfig, build_feature_cache
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_teacher_forced_decoding, plot_history
 from spark_generate.training.initialization import (
@@ -196,8 +204,29 @@ def _train_part(records: list[dict]) -> list[dict]:
     return [record for record in records if recipe._part(record["index"]) == "train"]
 
 
+def _documents(name: str, part: str, records: list[dict], kind: str) -> TokenDataset | None:
+    """The training split of ``records`` (answers of corpus ``name``) as part ``part``; None when it is empty."""
+    chosen = _train_part(records)
+    if not chosen:
+        return None
+    return TokenDataset(
+        tuple(tuple(record["input_ids"]) for record in chosen),
+        tuple(tuple(record["loss_mask"]) for record in chosen),
+        f"{name}: training split (prompt index % {recipe.HOLDOUT_STRIDE}) of its {kind} answers ({part})",
+    )
+
+
+def _corpora() -> dict[str, list[dict]]:
+    corpora = {corpus.file: recipe._records(corpus) for corpus in recipe.CORPORA.values()}
+    corpora.update(grow_corpus.answered_slices())
+    return corpora
+
+
 def corpus_documents(
-    counts: dict[str, int] | None = None, trained: dict[str, int] | None = None, replay_stride: int = REPLAY_STRIDE
+    counts: dict[str, int] | None = None,
+    trained: dict[str, int] | None = None,
+    replay_stride: int = REPLAY_STRIDE,
+    replay_offset: int = 0,
 ) -> tuple[dict[str, TokenDataset], dict[str, int]]:
     """A round's training documents by part, and how many answers of each corpus it reaches.
 
@@ -207,15 +236,20 @@ def corpus_documents(
             Those are replayed, every ``replay_stride``-th of them; the answers from there to
             ``counts`` are new.
         replay_stride: One in this many of the trained answers joins the round.
+        replay_offset: The first of them that does (below ``replay_stride``): with stride 2, offset 1
+            replays the answers a round of offset 0 left out.
 
     Returns:
-        Per part (``<corpus>-<from>-<to>`` for new answers, ``<corpus>-replay<stride>-<to>`` for
-        replayed ones, ``<corpus>-0-<to>`` when all of them are: the same answers, so one feature
+        Per part (``<corpus>-<from>-<to>`` for new answers, ``<corpus>-replay<stride>[+<offset>]-<to>``
+        for replayed ones, ``<corpus>-0-<to>`` when all of them are: the same answers, so one feature
         cache serves both), the training split (prompt index % ``HOLDOUT_STRIDE``) of its answers; the
         counts.
     """
-    corpora = {corpus.file: recipe._records(corpus) for corpus in recipe.CORPORA.values()}
-    corpora.update(grow_corpus.answered_slices())
+    if not 0 <= replay_offset < replay_stride:
+        raise ValueError(
+            f"replay_offset={replay_offset}, replay_stride={replay_stride}: expected 0 <= offset < stride."
+        )
+    corpora = _corpora()
     counts = counts or {name: len(records) for name, records in corpora.items()}
     trained = trained or {}
     missing = {name: count for name, count in counts.items() if len(corpora.get(name, ())) < count}
@@ -227,20 +261,53 @@ def corpus_documents(
     parts = {}
     for name, count in counts.items():
         stem, before = name.removesuffix(".jsonl"), min(trained.get(name, 0), count)
-        replayed = f"{stem}-0-{before}" if replay_stride == 1 else f"{stem}-replay{replay_stride}-{before}"
+        offset = f"+{replay_offset}" if replay_offset else ""
+        replayed = f"{stem}-0-{before}" if replay_stride == 1 else f"{stem}-replay{replay_stride}{offset}-{before}"
         selections = {
-            replayed: (corpora[name][:before][::replay_stride], "replayed"),
+            replayed: (corpora[name][:before][replay_offset::replay_stride], "replayed"),
             f"{stem}-{before}-{count}": (corpora[name][before:count], "new"),
         }
         for part, (records, kind) in selections.items():
-            chosen = _train_part(records)
-            if chosen:
-                parts[part] = TokenDataset(
-                    tuple(tuple(record["input_ids"]) for record in chosen),
-                    tuple(tuple(record["loss_mask"]) for record in chosen),
-                    f"{name}: training split (prompt index % {recipe.HOLDOUT_STRIDE}) of its {kind} answers ({part})",
-                )
+            documents = _documents(name, part, records, kind)
+            if documents is not None:
+                parts[part] = documents
     return parts, counts
+
+
+# What a part's name says it holds after its corpus's stem: ``replay<stride>[+<offset>]-<before>`` or ``<from>-<to>``.
+_PART = re.compile(r"(?:replay(?P<stride>\d+)(?:\+(?P<offset>\d+))?-(?P<before>\d+)|(?P<start>\d+)-(?P<stop>\d+))")
+
+
+def earlier_caches(workdir: Path, target, tokenizer, layer_ids: list[int], autocast: str | None) -> list[FeatureCache]:
+    """Every finished feature cache in ``<workdir>/features`` of this precision, opened (sizes checked).
+
+    A folder's documents are read off its name (:func:`stage_cache`'s ``<part>-<documents>[-<autocast>]``,
+    the part as :func:`corpus_documents` names it) from the corpus as answered now; a folder whose
+    name does not parse, whose corpus is gone, or whose cache holds other documents (or is
+    unfinished) is left out. Opening hashes the target once per folder.
+    """
+    corpora, caches = _corpora(), []
+    suffix = "" if autocast is None else f"-{autocast}"
+    for folder in sorted((workdir / "features").glob(f"*{suffix}")):
+        part, _, count = folder.name.removesuffix(suffix).rpartition("-")
+        for corpus, records in corpora.items():
+            stem = corpus.removesuffix(".jsonl")
+            found = _PART.fullmatch(part.removeprefix(f"{stem}-")) if part.startswith(f"{stem}-") else None
+            if found is None or not count.isdigit():
+                continue
+            if found["stride"] is not None:
+                chosen = records[: int(found["before"])][int(found["offset"] or 0) :: int(found["stride"])]
+            else:
+                chosen = records[int(found["start"]) : int(found["stop"])]
+            documents = _documents(corpus, part, chosen, "earlier")
+            if documents is None or len(documents) != int(count):
+                continue
+            try:
+                caches.append(FeatureCache.open(folder, target=target, tokenizer=tokenizer, dataset=documents,
+                                                layer_ids=layer_ids, verify_checksums=False))  # fmt: skip
+            except FeatureCacheError:
+                continue
+    return caches
 
 
 def trained_counts(source: Path) -> dict[str, int]:
@@ -271,21 +338,27 @@ def stage_cache(
     One cache per part (:func:`corpus_documents`), document count and precision of the target's
     forward, kept while the folder lasts. The target runs under ``autocast`` (a dtype's name, e.g.
     ``"bfloat16"``), or (None) in float32 with packed linears (1.4x faster on the EPYC), over
-    ``batch_size`` documents a forward; the states are stored in bfloat16 either way.
+    ``batch_size`` documents a forward; the states are stored in bfloat16 either way. A document
+    that the caches of earlier parts hold (:func:`earlier_caches`: every second answer of a corpus
+    replayed after a round trained on all of it) is copied from there instead: the first round
+    with ``--replay-stride 2`` spent 68 minutes of target forwards on answers cached before.
 
     Returns:
         The folders in the order of ``parts``, or None when the budget ran out first.
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     dtype = None if autocast is None else getattr(torch, autocast)
-    folders = []
+    folders, reuse = [], None
     for name, dataset in parts.items():
         folder = workdir / "features" / f"{name}-{len(dataset)}{'' if autocast is None else '-' + autocast}"
+        manifest = folder / "manifest.json"
+        if reuse is None and not (manifest.is_file() and json.loads(manifest.read_text()).get("complete")):
+            reuse = earlier_caches(workdir, target, tokenizer, layer_ids, autocast)
         left = None if deadline is None else max(0.0, (deadline - time.monotonic()) / 60)
         with packed_linears(target, enabled=autocast is None):
             result = build_feature_cache(
                 folder, target, tokenizer, dataset, layer_ids, batch_size=batch_size, max_minutes=left,
-                autocast_dtype=dtype,
+                autocast_dtype=dtype, reuse=reuse or (),
             )  # fmt: skip
         if not result.complete:
             return None
@@ -419,6 +492,7 @@ def stage_train(
     draft_layers: int | None = None,
     replay_stride: int | None = None,
     num_steps: int | None = None,
+    replay_offset: int = 0,
 ) -> Path | None:
     """Caches and trains (or resumes) this round within ``max_minutes``; returns its final checkpoint once done.
 
@@ -438,10 +512,11 @@ def stage_train(
         source = warm_start_source(workdir)
         trained = trained_counts(source)
         stride = replay_stride or (REPLAY_STRIDE if lease_deadline is None else LEASE_REPLAY_STRIDE)
-        parts, counts = corpus_documents(None, trained, stride)
+        parts, counts = corpus_documents(None, trained, stride, replay_offset)
         start = source.relative_to(REPOSITORY) if source.is_relative_to(REPOSITORY) else source
         record = {"shipped": shipped_digest(), "counts": counts, "trained": trained, "replay_stride": stride,
-                  "target_in_process": lease_deadline is not None, "warm_start": str(start)}  # fmt: skip
+                  "replay_offset": replay_offset, "target_in_process": lease_deadline is not None,
+                  "warm_start": str(start)}  # fmt: skip
         weights = None if draft_layers is None else DSparkHead.from_pretrained(source)
         if weights is not None and draft_layers != len(weights.layers):
             grow_draft_layers(weights, draft_layers, target).save_pretrained(folder / GROWN_START)
@@ -473,7 +548,8 @@ def stage_train(
 def round_documents(plan: dict) -> dict[str, TokenDataset]:
     """The training documents by part of a round's plan (``round.json``, or its entry in ``rounds.json``)."""
     counts = plan["counts"] if "counts" in plan else plan["answers"]
-    return corpus_documents(counts, plan.get("trained", {}), plan.get("replay_stride", REPLAY_STRIDE))[0]
+    stride, offset = plan.get("replay_stride", REPLAY_STRIDE), plan.get("replay_offset", 0)
+    return corpus_documents(counts, plan.get("trained", {}), stride, offset)[0]
 
 
 def ablation_of(head: DSparkHead) -> DSparkHead:
@@ -713,6 +789,7 @@ def promote(workdir: Path, checkpoint: Path, evaluation: dict[str, dict], target
         "answers": plan["counts"],
         "trained": plan.get("trained", {}),
         "replay_stride": plan.get("replay_stride", REPLAY_STRIDE),
+        "replay_offset": plan.get("replay_offset", 0),
         "online_tau_before": {domain: report["tau"] for domain, report in evaluation["shipped"].items()},
         "online_tau_after": {domain: report["tau"] for domain, report in evaluation["round"].items()},
         "mean_gain": after / before - 1,
@@ -764,7 +841,8 @@ def write_card(destination: Path) -> None:
         "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
         "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
         f"the answers its start had not seen and, by default, every {REPLAY_STRIDE}th of those it had (a round's "
-        "`--replay-stride` may replay more: the Rounds table's replayed column, per corpus in rounds.json), and "
+        "`--replay-stride` may replay more, `--replay-offset` another share: the Rounds table's replayed column, "
+        "per corpus in rounds.json), and "
         "shipped only when the mean online "
         f"greedy tau of the three domains rose by at least {MIN_GAIN:.0%}. Tau: greedy, block 7, batch 1, whole "
         "block verified, on all evaluation prompts of the recipe (21 code, 40 math, 80 chat, never trained on), "
@@ -783,9 +861,10 @@ def write_card(destination: Path) -> None:
         before, after = _taus(entry["online_tau_before"]), _taus(entry["online_tau_after"])
         shipped = "yes" if entry["promoted"] else "no"
         trained, stride = entry.get("trained", {}), entry.get("replay_stride", REPLAY_STRIDE)
+        offset = entry.get("replay_offset", 0)
         earlier = {name: min(trained.get(name, 0), count) for name, count in entry["answers"].items()}
         new = sum(count - earlier[name] for name, count in entry["answers"].items())
-        replayed = sum(-(-count // stride) for count in earlier.values())
+        replayed = sum(len(range(offset, count, stride)) for count in earlier.values())
         batch = entry.get("settings", ROUND)["batch_size"]
         layers = f"grown to {entry['draft_layers']}" if "draft_layers" in entry else "as its start"
         ablation, gain = "not trained", "-"
@@ -837,6 +916,9 @@ def main() -> None:
     parser.add_argument("--replay-stride", type=int, default=None,
                         help=f"a new round replays one in this many answers its start saw (default {REPLAY_STRIDE}; "
                              "1 trains on the whole corpus, as a round that grows the head should)")  # fmt: skip
+    parser.add_argument("--replay-offset", type=int, default=0,
+                        help="the first replayed answer of a new round (below the stride): with --replay-stride 2, "
+                             "1 replays the half a round of offset 0 left out")  # fmt: skip
     parser.add_argument("--num-steps", type=int, default=None,
                         help=f"training steps of a new round planned here (default {ROUND['num_steps']})")  # fmt: skip
     parser.add_argument("--lease-minutes", type=float, default=None,
@@ -852,6 +934,9 @@ def main() -> None:
     for name in ("replay_stride", "num_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
+    stride = args.replay_stride or (REPLAY_STRIDE if args.lease_minutes is None else LEASE_REPLAY_STRIDE)
+    if not 0 <= args.replay_offset < stride:
+        parser.error(f"--replay-offset {args.replay_offset}: expected 0 to {stride - 1} (the replay stride: {stride})")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stage == "card":  # after benchmarks/bench_generate.py, to add its table to the card
@@ -874,7 +959,7 @@ def main() -> None:
         return
     if args.stage != "eval":
         checkpoint = stage_train(args.workdir, target, tokenizer, args.max_minutes, lease_deadline, args.draft_layers,
-                                 args.replay_stride, args.num_steps)  # fmt: skip
+                                 args.replay_stride, args.num_steps, args.replay_offset)  # fmt: skip
     else:
         folder = round_folder(args.workdir)
         checkpoint = recipe._latest_checkpoint(folder)

@@ -13,6 +13,10 @@
 * Builds: a build that fails part-way leaves only whole shards that the manifest lists; the next
   call removes the leftovers and resumes. A ``max_minutes`` budget stops a build between batches.
   The resumed cache equals an uninterrupted one.
+* Reuse: a new selection of documents cached before in other parts is copied from them, the
+  target running only on the documents found nowhere (batched among themselves), into the very
+  bytes a build from scratch writes; a source of other taps or autocast setting, or with a corrupt
+  shard (opened without checksums), is refused.
 
 The taps are fixed at ``[0, 2]``: one row holds 2·32 feature and 32 final-hidden values (192 bytes).
 """
@@ -425,3 +429,78 @@ def test_resuming_removes_a_stray_shard_the_manifest_does_not_list(tmp_path):
     assert result.complete
     listed = [shard["file"] for shard in json.loads((tmp_path / "manifest.json").read_text())["shards"]]
     assert shard_files(tmp_path) == sorted(listed) == ["shard-000000.bin", "shard-000001.bin"]
+
+
+# ----------------------------------------------------------------------------------------------- reuse
+
+
+def selection(data: TokenDataset, indices: list[int]) -> TokenDataset:
+    return TokenDataset(tuple(data.sequences[i] for i in indices), tuple(data.loss_masks[i] for i in indices),
+                        f"documents {indices}")  # fmt: skip
+
+
+def counted_forwards(monkeypatch) -> list[int]:
+    """Patches the cache's target forward to record the batch size of every call."""
+    live, sizes = feature_cache_module.target_states, []
+
+    def counted(target, layer_ids, input_ids, *args):
+        sizes.append(input_ids.shape[0])
+        return live(target, layer_ids, input_ids, *args)
+
+    monkeypatch.setattr(feature_cache_module, "target_states", counted)
+    return sizes
+
+
+def test_a_selection_cached_before_in_parts_is_copied_into_the_bytes_of_a_build_from_scratch(tmp_path, monkeypatch):
+    target, data = tiny_target(), dataset(num_sequences=9)
+    halves = [selection(data, list(range(0, 4))), selection(data, list(range(4, 8)))]
+    for number, half in enumerate(halves):
+        build(tmp_path / f"half{number}", target, half, shard_mib=40 * ROW_BYTES / 2**20)
+    sources = [open_cache(tmp_path / f"half{number}", target, half, verify_checksums=False)
+               for number, half in enumerate(halves)]  # fmt: skip
+    every_second = selection(data, [0, 2, 4, 6, 8])  # document 8 was never cached
+    build(tmp_path / "scratch", target, every_second)
+    sizes = counted_forwards(monkeypatch)
+    result = build(tmp_path / "reused", target, every_second, reuse=sources)
+    assert (result.complete, result.new_documents, result.copied_documents) == (True, 5, 4)
+    assert sizes == [1], "only the document found in no source runs the target"
+    assert shard_files(tmp_path / "reused") == shard_files(tmp_path / "scratch") == ["shard-000000.bin"]
+    for name in ("shard-000000.bin", "manifest.json"):
+        assert (tmp_path / "reused" / name).read_bytes() == (tmp_path / "scratch" / name).read_bytes()
+    open_cache(tmp_path / "reused", target, every_second)
+
+
+def test_with_reuse_the_target_runs_on_batches_of_the_documents_found_nowhere(tmp_path, monkeypatch):
+    target, data = tiny_target(), dataset(num_sequences=9)
+    build(tmp_path / "even", target, selection(data, [0, 2, 4, 6, 8]))
+    even = open_cache(tmp_path / "even", target, selection(data, [0, 2, 4, 6, 8]))
+    sizes = counted_forwards(monkeypatch)
+    result = build(tmp_path / "all", target, data, batch_size=2, reuse=[even])
+    assert (result.copied_documents, sizes) == (5, [2, 2])
+    cache = open_cache(tmp_path / "all", target, data)
+    for index in (0, 4, 8):
+        assert_same_bits(cache.states([index], CPU, torch.bfloat16).features[0],
+                         even.states([index // 2], CPU, torch.bfloat16).features[0])  # fmt: skip
+    batch = data.batch([5, 7])
+    live = target_states(target, TAPS, batch.input_ids, batch.attention_mask, CPU)
+    assert_same_bits(cache.states([7], CPU, torch.bfloat16).final_hidden[0], live.final_hidden[1].to(torch.bfloat16))
+
+
+def test_reuse_refuses_a_cache_of_other_taps_or_autocast_and_a_corrupt_source_shard(tmp_path):
+    target, data = tiny_target(), dataset()
+    build(tmp_path / "source", target, data, shard_mib=40 * ROW_BYTES / 2**20)
+    build_feature_cache(tmp_path / "taps", target, tokenizer(), data, [1, 2], progress=False)
+    other_taps = open_cache(tmp_path / "taps", target, data, layer_ids=[1, 2])
+    with pytest.raises(FeatureCacheError, match=r"(?s)tap layer ids: the cache has \[1, 2\].*Pass as reuse only"):
+        build(tmp_path / "a", target, data, reuse=[other_taps])
+    source = open_cache(tmp_path / "source", target, data)
+    with pytest.raises(FeatureCacheError, match="autocast dtype of the target's forward: the cache has None"):
+        build(tmp_path / "b", target, data, reuse=[source], autocast_dtype=torch.bfloat16)
+    shard = tmp_path / "source" / "shard-000001.bin"
+    damaged = bytearray(shard.read_bytes())
+    damaged[100] ^= 0x01
+    shard.write_bytes(bytes(damaged))
+    unchecked = open_cache(tmp_path / "source", target, data, verify_checksums=False)
+    with pytest.raises(FeatureCacheError, match=r"shard-000001\.bin is corrupt"):
+        build(tmp_path / "c", target, data, reuse=[unchecked])
+    assert not any(path.name.startswith("shard-") for path in (tmp_path / "c").iterdir())

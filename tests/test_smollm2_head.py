@@ -12,6 +12,7 @@ import json
 import lzma
 import shutil
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -146,8 +147,13 @@ def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(
     records = [json.loads(line) for line in prompts_path.read_text().splitlines()]
     assert len(records) >= 18_000 and {record["source"] for record in records} >= {"stdlib", "reasoning_gym"}
     slices = grow.slices(prompts_path)
-    magpie = grow._magpie_prompts()  # the Magpie requests of whole slices, or all once their synthesis is done
-    assert len(magpie) % grow.SLICE_PROMPTS == 0 or len(magpie) > 0.5 * grow.MAGPIE.num_prompts
+    magpie = grow._magpie_prompts()  # per pool, the Magpie requests of whole slices, or all once it is done
+    for pool in grow.MAGPIE_POOLS:
+        written, finished = grow._pool_prompts(pool)
+        usable = [record for record in magpie if record["source"] == pool.source]
+        assert usable == (written if finished else written[: len(usable)]) and len(usable) <= len(written)
+        assert finished or len(usable) % grow.SLICE_PROMPTS == 0
+    assert grow._pool_prompts(grow.MAGPIE_POOLS[0])[1], "the first pool is done"
     assert sum(map(len, slices.values())) == len(records) + len(magpie)
     assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
     archived = sorted(path.name.removesuffix(".xz") for path in grow.ARCHIVE.glob("*-*.jsonl.xz"))
@@ -173,6 +179,7 @@ def _example(name: str):
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: its dataclasses resolve their annotations there
     spec.loader.exec_module(module)
     return module
 
@@ -317,7 +324,7 @@ def test_a_lease_round_fits_its_steps_to_the_lease_and_runs_the_target_in_proces
     part = TokenDataset(tuple(map(tuple, documents)), tuple((0,) * 8 + (1,) * 32 for _ in documents), "random")
     strides = []
 
-    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE):
+    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE, replay_offset=0):
         strides.append(replay_stride)
         return {"random-0-6": part}, {"random.jsonl": 6}
 
@@ -358,11 +365,12 @@ def test_a_cpu_round_caches_the_targets_states_from_a_bfloat16_forward(
     part = TokenDataset(tuple(map(tuple, documents)), tuple((0,) * 8 + (1,) * 32 for _ in documents), "random")
     strides = []
 
-    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE):
+    def corpus_documents(counts=None, trained=None, replay_stride=improve.REPLAY_STRIDE, replay_offset=0):
         strides.append(replay_stride)
         return {"random-0-4": part}, {"r.jsonl": 4}
 
     monkeypatch.setattr(improve, "corpus_documents", corpus_documents)
+    monkeypatch.setattr(improve, "_corpora", lambda: {"r.jsonl": []})  # no earlier caches of its answers
     monkeypatch.setattr(improve, "ROUND", {**improve.ROUND, "num_steps": 2, "batch_size": 2, "num_anchors": 4,
                                            "compile_loss": False})  # fmt: skip
     monkeypatch.setattr(improve.recipe, "SCALE_DOCUMENTS", 2)
@@ -383,6 +391,47 @@ def test_a_cpu_round_caches_the_targets_states_from_a_bfloat16_forward(
     assert [cache.autocast for cache in caches] == [("bfloat16",), (None,)]
     bf16, fp32 = (cache.states([0], torch.device("cpu"), torch.float32).features for cache in caches)
     assert not torch.equal(bf16, fp32) and (bf16 - fp32).norm() < 0.05 * fp32.norm()  # rounding, not another forward
+
+
+def test_a_round_copies_the_answers_earlier_caches_hold_and_runs_the_target_on_the_rest(
+    smollm2, tmp_path, monkeypatch
+):
+    """Both halves of a corpus cached whole before are copied, not computed; an answer never cached is computed."""
+    improve = _improve(monkeypatch)
+    target, tokenizer = smollm2
+    generator = torch.Generator().manual_seed(0)
+    records = [{"index": index, "input_ids": torch.randint(0, 1000, (12 + index,), generator=generator).tolist(),
+                "loss_mask": [0] * 4 + [1] * (8 + index)} for index in range(9)]  # fmt: skip
+    monkeypatch.setattr(improve, "_corpora", lambda: {"random.jsonl": records})
+    layer_ids = improve.recipe.layer_ids(target)
+    whole, _ = improve.corpus_documents({"random.jsonl": 8})
+    assert list(whole) == ["random-0-8"]
+    improve.stage_cache(tmp_path, target, tokenizer, whole, layer_ids, None, "bfloat16", 4)
+    (tmp_path / "features" / "random-0-3-3-bfloat16").mkdir()  # no manifest (an unfinished build): left out
+    (tmp_path / "features" / "notes-bfloat16").mkdir()  # no part of a corpus: left out
+    [earlier] = improve.earlier_caches(tmp_path, target, tokenizer, layer_ids, "bfloat16")
+    assert earlier.paths == (tmp_path / "features" / "random-0-8-8-bfloat16",)
+    assert improve.earlier_caches(tmp_path, target, tokenizer, layer_ids, None) == []  # another precision
+    forwards = []
+    live = improve.build_feature_cache
+
+    def counted(*args, **kwargs):
+        result = live(*args, **kwargs)
+        forwards.append(result.new_documents - result.copied_documents)
+        return result
+
+    monkeypatch.setattr(improve, "build_feature_cache", counted)
+    halves = {**improve.corpus_documents({"random.jsonl": 9}, {"random.jsonl": 8}, 2)[0],
+              **improve.corpus_documents({"random.jsonl": 8}, {"random.jsonl": 8}, 2, 1)[0]}  # fmt: skip
+    assert list(halves) == ["random-replay2-8", "random-8-9", "random-replay2+1-8"]
+    folders = improve.stage_cache(tmp_path, target, tokenizer, halves, layer_ids, None, "bfloat16", 4)
+    assert forwards == [0, 1, 0], "only the answer no earlier cache holds runs the target"
+    copied = FeatureCache.open(folders[2], target=target, tokenizer=tokenizer, dataset=halves["random-replay2+1-8"],
+                               layer_ids=layer_ids)  # fmt: skip
+    cpu = torch.device("cpu")
+    for position, index in enumerate(range(1, 8, 2)):
+        assert torch.equal(copied.states([position], cpu, torch.float32).features,
+                           earlier.states([index], cpu, torch.float32).features)  # fmt: skip
 
 
 def test_a_lease_ablation_trains_like_its_round_with_the_target_in_process(tmp_path, monkeypatch):
@@ -450,6 +499,14 @@ def test_a_round_trains_on_the_answers_it_began_with(tmp_path, monkeypatch):
     assert everything["stdlib-000-0-1000"].sequences == halves["stdlib-000-0-1000"].sequences
     assert everything["stdlib-000-1000-2000"].sequences == rounds["stdlib-000-1000-2000"].sequences
     assert not any("replay" in name for name in everything)
+    # The other half: what a round replaying every second answer left out, under a name of its own.
+    even, _ = improve.corpus_documents(pinned | {"stdlib-000.jsonl": 2000}, trained, replay_stride=2)
+    odd, _ = improve.corpus_documents(pinned | {"stdlib-000.jsonl": 2000}, trained, 2, replay_offset=1)
+    assert odd["stdlib-000-replay2+1-1000"].sequences == split(records["stdlib-000.jsonl"][1:1000:2])
+    assert set(even["stdlib-000-replay2-1000"].sequences).isdisjoint(odd["stdlib-000-replay2+1-1000"].sequences)
+    assert odd["stdlib-000-1000-2000"].sequences == rounds["stdlib-000-1000-2000"].sequences
+    with pytest.raises(ValueError, match="replay_offset=2, replay_stride=2"):
+        improve.corpus_documents(pinned, trained, 2, replay_offset=2)
 
 
 def test_a_round_starts_past_the_answers_its_start_was_trained_on(tmp_path, monkeypatch):

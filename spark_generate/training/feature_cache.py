@@ -32,7 +32,11 @@ folder at a time.
 
 A corpus may be cached in parts, one folder each (a second corpus added after the first was
 cached): :meth:`FeatureCache.open` takes the folders in order and reads them as one cache of the
-documents end to end, each folder checked against its own share of them.
+documents end to end, each folder checked against its own share of them. A new selection of
+documents already cached elsewhere (every second answer of a corpus whose every answer, or whose
+first half and second half, were cached before) need not run the target again: ``reuse`` passes
+:func:`build_feature_cache` those caches, and every document it finds there by its token ids is
+copied (each source shard's checksum verified the first time it is read) instead of computed.
 
 Reading memory-maps the shards. A batch copies only its own documents' rows, so memory does not
 grow with the corpus. The stored values are the target's states rounded to bfloat16 (round to
@@ -81,6 +85,7 @@ STORED_DTYPE = "bfloat16"
 DEFAULT_SHARD_MIB = 256
 """A shard is closed once it holds at least this many MiB (at a document boundary)."""
 
+_COPY_WINDOW = 256  # documents a build with ``reuse`` copies or computes between two shard checks
 _WORD = np.dtype("<i2")  # one bfloat16 bit pattern; int16, since torch views int16 as bfloat16
 _MAX_OPEN_SHARDS = 64  # memory maps kept open by a reader (each holds a file descriptor)
 _HASH_CHUNK = 1 << 24
@@ -292,12 +297,14 @@ class CacheBuildResult:
         complete: Whether every document is cached (False when ``max_minutes`` ran out).
         num_documents: Documents cached so far, this call's included.
         new_documents: Documents this call cached.
+        copied_documents: Those of them copied from the ``reuse`` caches instead of computed.
     """
 
     path: Path
     complete: bool
     num_documents: int
     new_documents: int
+    copied_documents: int = 0
 
 
 def _start_or_resume(folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
@@ -341,6 +348,7 @@ def build_feature_cache(
     max_minutes: float | None = None,
     progress: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    reuse: Sequence[FeatureCache] = (),
 ) -> CacheBuildResult:
     """Runs the frozen target over ``dataset`` and stores its tapped and final states, resuming a partial cache.
 
@@ -362,13 +370,19 @@ def build_feature_cache(
             hardware: SmolLM2-135M on a 2-core Xeon with AMX, 2,480 tokens/s against 840 in
             float32; the states then differ from float32's by about 0.3% (the storage's rounding
             alone: 0.16%). Recorded in the manifest; a cache resumes only under the same setting.
+        reuse: Finished caches of the same target, taps, tokenizer and ``autocast_dtype`` that may
+            hold some of the documents: each one found there (by its token ids; the first cache
+            that holds it) is copied instead of computed, after its shard's checksum is verified
+            on the first read. The target then runs on ``batch_size`` of the documents found
+            nowhere at a time.
 
     Returns:
-        Whether the cache is complete, and how many documents it holds.
+        Whether the cache is complete, and how many documents it holds (and copied).
 
     Raises:
         FeatureCacheError: ``path`` holds a cache of another target, taps, tokenizer or documents,
-            or files that are not a cache.
+            or files that are not a cache; a ``reuse`` cache of another target, taps, tokenizer or
+            autocast setting, or with a corrupt shard.
         ValueError: A setting is out of range, or ``dataset`` holds ids outside the target's vocabulary.
     """
     if batch_size < 1 or shard_mib <= 0 or (max_minutes is not None and max_minutes < 0):
@@ -381,25 +395,37 @@ def build_feature_cache(
     dataset.check_vocab(target.config.get_text_config().vocab_size)
     target.eval()
     autocast = None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch.")
-    manifest = _start_or_resume(folder, _identity(target, tokenizer, dataset, layer_ids, autocast))
+    identity = _identity(target, tokenizer, dataset, layer_ids, autocast)
+    for source in reuse:
+        for source_folder, source_manifest in zip(source.paths, source.manifests, strict=True):
+            remedy = "Pass as reuse only caches of this target, taps, tokenizer and autocast setting."
+            _check_identity(source_folder, source_manifest, {**identity, "data": source_manifest["data"]}, remedy)
+    manifest = _start_or_resume(folder, identity)
     computing = (
         contextlib.nullcontext() if autocast_dtype is None else torch.autocast(target.device.type, autocast_dtype)
     )
     cached = sum(shard["num_documents"] for shard in manifest["shards"])
-    next_document, device, writer = cached, target.device, None
+    next_document, copied, device, writer = cached, 0, target.device, None
     bar = tqdm(total=len(dataset), initial=cached, unit="doc", desc="feature cache", disable=not progress)
     try:
         while next_document < len(dataset):
-            indices = list(range(next_document, min(next_document + batch_size, len(dataset))))
-            batch = dataset.batch(indices).to(device)
-            with computing:
-                states = target_states(target, layer_ids, batch.input_ids, batch.attention_mask, torch.device("cpu"))
-            rows = torch.cat([states.features.to(torch.bfloat16), states.final_hidden.to(torch.bfloat16)], dim=-1)
+            indices, found = _next_window(dataset, next_document, batch_size, reuse)
+            computed = [index for index in indices if index not in found]
+            fresh = {}
+            if computed:
+                batch = dataset.batch(computed).to(device)
+                with computing:
+                    states = target_states(
+                        target, layer_ids, batch.input_ids, batch.attention_mask, torch.device("cpu")
+                    )
+                rows = torch.cat([states.features.to(torch.bfloat16), states.final_hidden.to(torch.bfloat16)], -1)
+                fresh = {index: rows[row, : len(dataset.sequences[index])] for row, index in enumerate(computed)}
             if writer is None:
                 writer = _ShardWriter(folder, len(manifest["shards"]), next_document)
-            for row, index in enumerate(indices):
-                writer.write(rows[row, : len(dataset.sequences[index])])
+            for index in indices:
+                writer.write(fresh[index] if index in fresh else found[index][0]._copied_rows(found[index][1]))
             next_document += len(indices)
+            copied += len(found)
             bar.update(len(indices))
             out_of_time = max_minutes is not None and time.monotonic() - started >= 60 * max_minutes
             if writer.num_bytes >= shard_mib * 2**20 or next_document == len(dataset) or out_of_time:
@@ -417,7 +443,31 @@ def build_feature_cache(
         if writer is not None:
             writer.discard()
         bar.close()
-    return CacheBuildResult(folder, bool(manifest["complete"]), next_document, next_document - cached)
+    return CacheBuildResult(folder, bool(manifest["complete"]), next_document, next_document - cached, copied)
+
+
+def _next_window(
+    dataset: TokenDataset, first: int, batch_size: int, reuse: Sequence[FeatureCache]
+) -> tuple[list[int], dict[int, tuple[FeatureCache, int]]]:
+    """The documents a build writes next, from ``first``: up to ``batch_size`` to compute, and those found in between.
+
+    Returns:
+        The window's document indices (``batch_size`` of them without ``reuse``; with it, up to
+        ``batch_size`` found nowhere and at most ``_COPY_WINDOW`` in all), and for each found one
+        the cache and index it is copied from.
+    """
+    if not reuse:
+        return list(range(first, min(first + batch_size, len(dataset)))), {}
+    indices, found = [], {}
+    for index in range(first, min(first + _COPY_WINDOW, len(dataset))):
+        ids = dataset.sequences[index]
+        source = next(((cache, at) for cache in reuse if (at := cache.find(ids)) is not None), None)
+        if source is None and len(indices) - len(found) == batch_size:
+            break
+        indices.append(index)
+        if source is not None:
+            found[index] = source
+    return indices, found
 
 
 class FeatureCache:
@@ -445,6 +495,9 @@ class FeatureCache:
             offset += manifest["data"]["num_documents"]
         self._first_documents = np.array([shard["first_document"] for shard in self._shards], dtype=np.int64)
         self._maps: collections.OrderedDict[int, np.memmap] = collections.OrderedDict()
+        self._sequences = dataset.sequences
+        self._positions: dict[tuple[int, ...], int] | None = None  # token ids -> document index, once asked
+        self._verified: set[int] = set()  # shards whose checksum was verified
 
     @classmethod
     def open(
@@ -508,6 +561,8 @@ class FeatureCache:
         cache = cls(folders, manifests, dataset)
         for shard in cache._shards:
             cache._check_shard(shard, verify_checksums)
+        if verify_checksums:
+            cache._verified.update(range(len(cache._shards)))
         return cache
 
     def _check_shard(self, shard: dict[str, Any], verify_checksum: bool) -> None:
@@ -553,9 +608,26 @@ class FeatureCache:
         """Per folder, the autocast dtype its target forward ran under (None: the target's own dtype)."""
         return tuple(manifest.get("autocast") for manifest in self.manifests)
 
+    def find(self, ids: Sequence[int]) -> int | None:
+        """The index of a document whose token ids are ``ids``, or None when the cache holds none."""
+        if self._positions is None:
+            self._positions = {tuple(sequence): index for index, sequence in enumerate(self._sequences)}
+        return self._positions.get(tuple(ids))
+
+    def _shard_of(self, index: int) -> int:
+        return int(np.searchsorted(self._first_documents, index, side="right")) - 1
+
+    def _copied_rows(self, index: int) -> torch.Tensor:
+        """:meth:`_rows`, after verifying the shard's checksum once (a copy must not carry damage on)."""
+        number = self._shard_of(index)
+        if number not in self._verified:
+            self._check_shard(self._shards[number], verify_checksum=True)
+            self._verified.add(number)
+        return self._rows(index)
+
     def _rows(self, index: int) -> torch.Tensor:
         """``[T, m·H + H]`` bfloat16: a document's rows, a view on the memory-mapped shard (no copy)."""
-        number = int(np.searchsorted(self._first_documents, index, side="right")) - 1
+        number = self._shard_of(index)
         shard = self._shards[number]
         if number in self._maps:
             self._maps.move_to_end(number)
