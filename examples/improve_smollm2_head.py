@@ -98,7 +98,14 @@ from tqdm.auto import tqdm
 from spark_generate import packed_linears, prompt_sets, zoo
 from spark_generate.config import cache_folder, retain_freed_memory, write_json_atomically
 from spark_generate.heads import DSparkHead
-from spark_generate.training import FeatureCache, FeatureCacheError, Trainer, TrainingConfig, build_feature_cache
+from spark_generate.training import (
+    FeatureCache,
+    FeatureCacheError,
+    Trainer,
+    TrainingConfig,
+    build_feature_cache,
+    cache_bytes,
+)
 from spark_generate.training.data import TokenDataset
 from spark_generate.training.evaluation import evaluate_teacher_forced_decoding, plot_history
 from spark_generate.training.initialization import (
@@ -341,16 +348,19 @@ def stage_cache(
     ``batch_size`` documents a forward; the states are stored in bfloat16 either way. A document
     that the caches of earlier parts hold (:func:`earlier_caches`: every second answer of a corpus
     replayed after a round trained on all of it) is copied from there instead: the first round
-    with ``--replay-stride 2`` spent 68 minutes of target forwards on answers cached before.
+    with ``--replay-stride 2`` spent 68 minutes of target forwards on answers cached before. A round
+    whose caches left to build would not fit on the disk stops before the first (:func:`_check_space`).
 
     Returns:
         The folders in the order of ``parts``, or None when the budget ran out first.
     """
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     dtype = None if autocast is None else getattr(torch, autocast)
+    suffix = "" if autocast is None else f"-{autocast}"
+    planned = {workdir / "features" / f"{name}-{len(dataset)}{suffix}": dataset for name, dataset in parts.items()}
+    _check_space(workdir / "features", planned, target, layer_ids)
     folders, reuse = [], None
-    for name, dataset in parts.items():
-        folder = workdir / "features" / f"{name}-{len(dataset)}{'' if autocast is None else '-' + autocast}"
+    for folder, dataset in planned.items():
         manifest = folder / "manifest.json"
         if reuse is None and not (manifest.is_file() and json.loads(manifest.read_text()).get("complete")):
             reuse = earlier_caches(workdir, target, tokenizer, layer_ids, autocast)
@@ -364,6 +374,31 @@ def stage_cache(
             return None
         folders.append(folder)
     return folders
+
+
+def _check_space(features: Path, planned: dict[Path, TokenDataset], target, layer_ids: list[int]) -> None:
+    """Stops a round whose feature caches left to build would not fit on the disk, before the first is begun.
+
+    The message names the caches in ``features`` that the round does not read, largest first (a
+    machine's disk holds a few rounds' worth: 66 GB for both halves of the 42.6k answers).
+    """
+    needed = 0
+    for folder, dataset in planned.items():
+        written = sum(path.stat().st_size for path in folder.glob("shard-*"))
+        needed += max(0, cache_bytes(target, dataset, layer_ids) - written)
+    features.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(features).free
+    if needed <= free:
+        return
+    unread = [folder for folder in features.iterdir() if folder.is_dir() and folder not in planned]
+    sizes = {folder: sum(path.stat().st_size for path in folder.iterdir()) for folder in unread}
+    listing = ", ".join(f"{folder.name} ({size / 2**30:.2f} GiB)" for folder, size in
+                        sorted(sizes.items(), key=lambda item: -item[1]))  # fmt: skip
+    raise SystemExit(
+        f"this round's feature caches take {needed / 2**30:.2f} GiB more, but the disk of {features} has "
+        f"{free / 2**30:.2f} GiB free. Caches in it this round does not read, largest first: {listing or 'none'}. "
+        "Delete enough of them (a later round that needs one builds it again), or pass --workdir on a larger disk."
+    )
 
 
 def _minutes_left(deadline: float | None) -> float | None:

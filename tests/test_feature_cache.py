@@ -22,6 +22,7 @@ The taps are fixed at ``[0, 2]``: one row holds 2·32 feature and 32 final-hidde
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ from spark_generate.training import (
     Trainer,
     TrainingConfig,
     build_feature_cache,
+    cache_bytes,
     sample_anchors,
     teacher_forced_step,
 )
@@ -429,6 +431,30 @@ def test_resuming_removes_a_stray_shard_the_manifest_does_not_list(tmp_path):
     assert result.complete
     listed = [shard["file"] for shard in json.loads((tmp_path / "manifest.json").read_text())["shards"]]
     assert shard_files(tmp_path) == sorted(listed) == ["shard-000000.bin", "shard-000001.bin"]
+
+
+def test_a_build_that_would_not_fit_on_its_disk_is_refused_before_writing_and_resumes_once_it_fits(
+    tmp_path, monkeypatch
+):
+    """The documents left (4 of 6, 90 tokens of 192 bytes) are checked against the disk's free space first."""
+    target, data = tiny_target(), dataset()
+    build(tmp_path / "straight", target, data)
+    build(tmp_path / "cache", target, data, batch_size=2, max_minutes=0)
+    left = cache_bytes(target, data, TAPS, start=2)
+    assert left == 90 * ROW_BYTES
+    assert cache_bytes(target, data, TAPS) == sum(p.stat().st_size for p in (tmp_path / "straight").glob("shard-*"))
+    disk = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(feature_cache_module.shutil, "disk_usage", lambda path: disk._replace(free=left - 1))
+    with pytest.raises(FeatureCacheError, match=r"the 4 documents left to cache take 16.88 KiB, but its disk has "
+                                                r"16.87 KiB free\. Free that much"):  # fmt: skip
+        build(tmp_path / "cache", target, data)
+    assert shard_files(tmp_path / "cache") == ["shard-000000.bin"]
+    monkeypatch.setattr(feature_cache_module.shutil, "disk_usage", lambda path: disk._replace(free=left))
+    result = build(tmp_path / "cache", target, data)
+    assert (result.complete, result.new_documents) == (True, 4)
+    built = torch.cat([open_cache(tmp_path / "cache", target, data)._rows(i) for i in range(len(data))])
+    straight = torch.cat([open_cache(tmp_path / "straight", target, data)._rows(i) for i in range(len(data))])
+    assert_same_bits(built, straight)
 
 
 # ----------------------------------------------------------------------------------------------- reuse

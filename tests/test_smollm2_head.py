@@ -156,7 +156,8 @@ def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(
     assert grow._pool_prompts(grow.MAGPIE_POOLS[0])[1], "the first pool is done"
     assert sum(map(len, slices.values())) == len(records) + len(magpie)
     assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
-    archived = sorted(path.name.removesuffix(".xz") for path in grow.ARCHIVE.glob("*-*.jsonl.xz"))
+    pools = {pool.file for pool in grow.MAGPIE_POOLS}  # ``magpie-s1.jsonl``: a pool's requests, not a slice
+    archived = sorted(name for path in grow.ARCHIVE.glob("*-*.jsonl.xz") if (name := path.name[:-3]) not in pools)
     assert archived and set(archived) <= set(slices)
     documents = grow.synthetic_documents()
     for name in archived:
@@ -432,6 +433,16 @@ def test_a_round_copies_the_answers_earlier_caches_hold_and_runs_the_target_on_t
     for position, index in enumerate(range(1, 8, 2)):
         assert torch.equal(copied.states([position], cpu, torch.float32).features,
                            earlier.states([index], cpu, torch.float32).features)  # fmt: skip
+
+    # A round whose caches would not fit stops before building any, naming the caches it does not read.
+    disk = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(improve.shutil, "disk_usage", lambda path: disk._replace(free=1000))
+    nine, _ = improve.corpus_documents({"random.jsonl": 9})
+    unread = r"random-0-8-8-bfloat16 \(0\.00 GiB\), random-replay2\+1-8-4-bfloat16 \(0\.00 GiB\), random-replay2-8-4"
+    with pytest.raises(SystemExit, match=r"(?s)take 0\.00 GiB more, but the disk .* has 0\.00 GiB free\. Caches in it "
+                                         rf"this round does not read, largest first: {unread}"):  # fmt: skip
+        improve.stage_cache(tmp_path, target, tokenizer, nine, layer_ids, None, "bfloat16", 4)
+    assert not (tmp_path / "features" / "random-0-9-9-bfloat16").exists()
 
 
 def test_a_lease_ablation_trains_like_its_round_with_the_target_in_process(tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ from spark_generate.training.feature_cache import (
     FeatureCacheError,
     TargetStates,
     build_feature_cache,
+    cache_bytes,
 )
 from spark_generate.training.losses import LossTerms, LossWeights, dspark_loss, position_weights
 from spark_generate.training.metrics import TeacherForcedMetrics, teacher_forced_metrics
@@ -47,6 +48,7 @@ __all__ = [
     "TrainingConfig",
     "block_targets",
     "build_feature_cache",
+    "cache_bytes",
     "draft_vocab_from_data",
     "dspark_loss",
     "position_weights",
