@@ -313,7 +313,7 @@ class CacheBuildResult:
 def cache_bytes(target: PreTrainedModel, dataset: TokenDataset, layer_ids: list[int], start: int = 0) -> int:
     """Bytes the shards of a cache of ``dataset``'s documents from ``start`` take: 2 a value, ``(m + 1)·H`` a token."""
     hidden_size = target.config.get_text_config().hidden_size
-    return 2 * (len(layer_ids) + 1) * hidden_size * sum(len(ids) for ids in dataset.sequences[start:])
+    return _WORD.itemsize * (len(layer_ids) + 1) * hidden_size * sum(len(ids) for ids in dataset.sequences[start:])
 
 
 def _check_disk_space(folder: Path, needed: int, num_documents: int) -> None:
