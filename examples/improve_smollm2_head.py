@@ -30,9 +30,10 @@ not help:
    greedy decoding would accept, up to argmax near-ties, without decoding each prompt twice.
 3. ``promote``: the round's head replaces the shipped head only if the mean of the three domains'
    tau rises by at least ``MIN_GAIN``; it is then calibrated (STS on the recipe's calibration
-   prompts), exported in bfloat16 with its provenance (the shipped head's provenance kept as
-   ``previous``, so the chain reaches the first stage), and the card is rewritten. Either way the
-   round is appended to ``rounds.json`` beside the head (committed), with both evaluations.
+   prompts), exported in bfloat16 with its provenance (the rounds it warm-started from, then the
+   shipped head's provenance, as nested ``previous``, so the chain reaches the first stage), and the
+   card is rewritten. Either way the round is appended to ``rounds.json`` beside the head
+   (committed), with both evaluations.
 4. ``ablation`` (on request, after a round): the DFlash ablation of the last recorded round, the same
    run without the Markov and confidence heads: it starts from the weights the round started from,
    less those two heads (saved in the round's folder when it begins, or on another machine taken from
@@ -920,15 +921,32 @@ def write_card(destination: Path) -> None:
     (destination / "README.md").write_text(text)
 
 
+def provenance_chain(checkpoint: Path) -> dict:
+    """The provenance of ``checkpoint`` with every stage before it as ``previous``, down to the first.
+
+    A round that warm-started from the final weights of an earlier round that fell short chains that
+    round's provenance, and so on back to the round that started from the shipped head (as it is, or
+    grown), whose committed provenance ends the chain: every stage that trained the exported weights.
+    """
+    provenance = json.loads((checkpoint / "provenance.json").read_text())
+    start = Path((provenance.get("warm_start") or {}).get("checkpoint") or EXPORT)
+    if not (start.name.startswith("checkpoint-") and start.parent.name.startswith(f"round-{shipped_digest()}-")):
+        return {**provenance, "previous": json.loads((EXPORT / "provenance.json").read_text())}
+    if not (start / "provenance.json").exists():
+        raise FileNotFoundError(
+            f"{checkpoint} warm-started from {start}, which is gone: its stage cannot be chained into the "
+            "provenance. Run the round again from the shipped head (delete its folder) to export it."
+        )
+    return {**provenance, "previous": provenance_chain(start)}
+
+
 def export(workdir: Path, checkpoint: Path, target, tokenizer) -> None:
     """Calibrates the round's head and writes it, its provenance chain, curve and card over the shipped head."""
-    previous = json.loads((EXPORT / "provenance.json").read_text())
     staging = EXPORT.with_name(EXPORT.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(EXPORT, staging)
     DSparkHead.from_pretrained(checkpoint).to(torch.bfloat16).save_pretrained(staging)
-    provenance = json.loads((checkpoint / "provenance.json").read_text())
-    write_json_atomically(staging / "provenance.json", {**provenance, "previous": previous})
+    write_json_atomically(staging / "provenance.json", provenance_chain(checkpoint))
     head = DSparkHead.from_pretrained(checkpoint).float().attach(target)
     calibration_set = recipe.split_corpus(recipe.CORPORA["greedy"])["calibration"]
     recipe.calibrate(head, target, calibration_set, staging / "calibration.json", staging / "reliability.png")

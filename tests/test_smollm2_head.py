@@ -246,6 +246,28 @@ def test_a_round_that_does_not_improve_leaves_the_shipped_head_untouched(tmp_pat
     assert rounds[0]["online_tau_before"] == {"code": 2.25, "math": 1.69, "chat": 1.44}
 
 
+def test_the_exported_provenance_chains_the_rounds_that_fell_short(tmp_path, monkeypatch):
+    """A head trained over two rounds (the first below the gate) carries both stages, then the shipped chain."""
+    improve = _improve(monkeypatch)
+    shipped = _shipped_copy(improve, tmp_path, monkeypatch)
+    shipped_provenance = json.loads((shipped / "provenance.json").read_text())
+    starts = {}
+    for number, start in enumerate([shipped, None]):
+        checkpoint = improve.round_folder(tmp_path, number) / "checkpoint-0004000"
+        checkpoint.mkdir(parents=True)
+        start = starts.get(number - 1, start)
+        provenance = {"argv": [f"round {number}"], "warm_start": {"checkpoint": str(start), "step": 4000}}
+        (checkpoint / "provenance.json").write_text(json.dumps(provenance))
+        starts[number] = checkpoint
+    chain = improve.provenance_chain(starts[1])
+    assert chain["argv"] == ["round 1"] and chain["previous"]["argv"] == ["round 0"]
+    assert chain["previous"]["previous"] == shipped_provenance
+    assert improve.provenance_chain(starts[0])["previous"] == shipped_provenance
+    shutil.rmtree(starts[0])  # a new machine: the weights the round started from are gone
+    with pytest.raises(FileNotFoundError, match=r"warm-started from .*-0/checkpoint-0004000, which is gone"):
+        improve.provenance_chain(starts[1])
+
+
 def test_the_dflash_ablation_starts_from_the_backbone_of_the_round(smollm2, tmp_path, monkeypatch):
     """The ablation drops the Markov and confidence heads and nothing else: the same backbone logits, bit for bit."""
     improve = _improve(monkeypatch)
