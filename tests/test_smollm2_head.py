@@ -251,21 +251,23 @@ def test_the_exported_provenance_chains_the_rounds_that_fell_short(tmp_path, mon
     improve = _improve(monkeypatch)
     shipped = _shipped_copy(improve, tmp_path, monkeypatch)
     shipped_provenance = json.loads((shipped / "provenance.json").read_text())
-    starts = {}
-    for number, start in enumerate([shipped, None]):
+
+    def round_checkpoint(number: int, warm_start: Path) -> Path:
         checkpoint = improve.round_folder(tmp_path, number) / "checkpoint-0004000"
         checkpoint.mkdir(parents=True)
-        start = starts.get(number - 1, start)
-        provenance = {"argv": [f"round {number}"], "warm_start": {"checkpoint": str(start), "step": 4000}}
+        provenance = {"argv": [f"round {number}"], "warm_start": {"checkpoint": str(warm_start), "step": 4000}}
         (checkpoint / "provenance.json").write_text(json.dumps(provenance))
-        starts[number] = checkpoint
-    chain = improve.provenance_chain(starts[1])
+        return checkpoint
+
+    first = round_checkpoint(0, shipped)
+    second = round_checkpoint(1, first)
+    chain = improve.provenance_chain(second)
     assert chain["argv"] == ["round 1"] and chain["previous"]["argv"] == ["round 0"]
     assert chain["previous"]["previous"] == shipped_provenance
-    assert improve.provenance_chain(starts[0])["previous"] == shipped_provenance
-    shutil.rmtree(starts[0])  # a new machine: the weights the round started from are gone
+    assert improve.provenance_chain(first)["previous"] == shipped_provenance
+    shutil.rmtree(first)  # a new machine: the weights the round started from are gone
     with pytest.raises(FileNotFoundError, match=r"warm-started from .*-0/checkpoint-0004000, which is gone"):
-        improve.provenance_chain(starts[1])
+        improve.provenance_chain(second)
 
 
 def test_the_dflash_ablation_starts_from_the_backbone_of_the_round(smollm2, tmp_path, monkeypatch):
