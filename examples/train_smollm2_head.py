@@ -56,6 +56,7 @@ import functools
 import hashlib
 import json
 import operator
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -515,7 +516,8 @@ def benchmark_and_usage(destination: Path, script: str = "examples/train_smollm2
     """
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     digest = hashlib.sha256((destination / "model.safetensors").read_bytes()).hexdigest()
-    recordings = [csv for csv in sorted(results.glob("**/generate_smollm2_cpu.csv")) if digest in csv.read_text()]
+    csvs = {csv: csv.read_text() for csv in sorted(results.glob("**/generate_smollm2_cpu.csv"))}
+    recordings = {csv: content for csv, content in csvs.items() if digest in content}
     for stale in destination.glob("benchmark*.png"):  # charts of another head's weights would misreport this one
         stale.unlink()
     text = "\n## Peer benchmark (CPU)\n\n"
@@ -530,16 +532,16 @@ def benchmark_and_usage(destination: Path, script: str = "examples/train_smollm2
         "run. The DSpark systems run the CPU linears through oneDNN with packed weights (spark_generate's default "
         "on a CPU); `plain-packed` is plain `generate()` with the same kernels.\n"
     )
-    for csv in recordings:
+    for csv, content in recordings.items():
         folder = csv.parent.relative_to(results)
         chart = "benchmark.png" if folder == Path(".") else f"benchmark-{folder.as_posix().replace('/', '-')}.png"
         shutil.copy(csv.with_suffix(".png"), destination / chart)
-        header = [line.removeprefix("# ") for line in csv.read_text().splitlines() if line.startswith("# ")]
+        header = [line.removeprefix("# ") for line in content.splitlines() if line.startswith("# ")]
         text += (
             f"\n### `benchmarks/results/{(folder / csv.name).as_posix()}`\n\n"
             + "".join(f"* {line}\n" for line in header)
             + f"\n![benchmark]({chart})\n\n"
-            + csv.with_suffix(".md").read_text().replace("\n### ", "\n#### ").replace("### ", "#### ", 1)
+            + re.sub(r"^### ", "#### ", csv.with_suffix(".md").read_text(), flags=re.MULTILINE)
         )
     return text + usage()
 
