@@ -533,7 +533,9 @@ class AdaptiveRun:
     suffix's own record) or, when it is the head's turn, the head's draft (the mean survivals its
     rows were planned with so far, 1/2 per slot before any; the drafting pass counted). A turn
     where the head is not expected to beat plain steps is stepped aside as after a probe that did
-    not pay, unless the rounds without the head have paid for a probe: then it probes anyway.
+    not pay, unless the rounds without the head have paid for a probe, or it has not drafted yet in
+    this generation and a draft accepted whole would pay (its prior of 1/2 per slot is no
+    evidence): then it probes anyway.
     The suffix draft is a function of the committed tokens and the head's record is the past's,
     so the choice is made before any draft of the round is drawn and is lossless.
     """
@@ -548,6 +550,7 @@ class AdaptiveRun:
     plain_steps_left: int = 0
     backoff: int = 1
     rounds_without_head: int = 0  # rounds since the head last drafted
+    head_drafted: bool = False  # whether the head has drafted in this generation
     probing: bool = False  # this round's head drafts although its record says they do not pay
     round_costs: CostTable | None = None  # cost_table at this round's context (set by sources)
 
@@ -585,7 +588,9 @@ class AdaptiveRun:
         has not drafted have paid for a probe (``probe_budget`` of a plain step each against the
         drafting pass and the wider forward of a one-draft round, up to ``max_backoff`` rounds),
         when it drafts anyway: its record is from the past, and what it drafts may have changed
-        (such a probe verifies at least one draft per row, see :meth:`lengths`). The round's costs
+        (such a probe verifies at least one draft per row, see :meth:`lengths`). Its first turn of a
+        generation probes too, unless no draft could pay even if every slot were accepted: until
+        then it has no record, only a prior. The round's costs
         (here, in :meth:`lengths` and :meth:`record`) are the table's at ``context_length``
         (:meth:`CostTable.at_context`).
         """
@@ -624,11 +629,14 @@ class AdaptiveRun:
             # Its record may be out of date: it probes once the rounds without it have paid for a probe.
             waited, settings = self.rounds_without_head, self.settings
             probe_cost = (table.draft_seconds + float(forwards[1]) - base) / base  # beyond a plain step
-            if waited * settings.probe_budget < probe_cost and waited < settings.max_backoff:
-                self._step_aside()  # as after a probe that did not pay
-            else:
+            paid = waited * settings.probe_budget >= probe_cost or waited >= settings.max_backoff
+            whole = torch.arange(1, width + 2, dtype=torch.float64) * base / (table.draft_seconds + forwards)
+            if paid or (not self.head_drafted and bool((whole > 1.0).any())):  # whole: every draft accepted
                 option, self.probing = 1, True
+            else:
+                self._step_aside()  # as after a probe that did not pay
         self.rounds_without_head = 0 if option else self.rounds_without_head + 1
+        self.head_drafted |= bool(option)
         k = plans[option][1] if option or plans[0][0] > 1.0 else 0
         fallback = DraftSource.HEAD if option else DraftSource.PLAIN
         drafts_more = matched & (suffix_tokens[:, k] > (head_tokens[:, k] if option else 1.0))

@@ -242,25 +242,27 @@ def test_the_head_runs_only_where_its_record_says_a_round_pays_and_a_declined_tu
     """The head's turn is judged by its per-slot acceptance so far (1/2 before any evidence), drafting included.
 
     Drafting costs 0.6 of a forward and each draft 0.1 more: before evidence, one draft is worth
-    1.5 / 1.7 < 1, two 1.75 / 1.8 < 1 and three 1.875 / 1.9 < 1, so on this table the head does
-    not draft; its turns are declined as probes that did not pay (1, then 2 plain rounds after
-    them) until it has not drafted for ``max_backoff=4`` rounds, when it drafts anyway (or once
-    the rounds without it have paid for a probe at ``probe_budget`` per round). With a
-    cheaper pass (0.2) it drafts at once; after rounds that accepted nothing, it no longer pays.
+    1.5 / 1.7 < 1, two 1.75 / 1.8 < 1 and three 1.875 / 1.9 < 1, so on this table the head is not
+    expected to pay. A prior is no evidence: its first turn probes. After it, its turns are
+    declined as probes that did not pay (1, then 2 plain rounds after them) until it has not
+    drafted for ``max_backoff=4`` rounds, when it drafts anyway (or once the rounds without it
+    have paid for a probe at ``probe_budget`` per round). With a cheaper pass (0.2) it drafts at
+    once, not as a probe; after rounds that accepted nothing, it no longer pays.
     """
     dear = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.6)
     run = AdaptiveSchedule(dear, max_backoff=4).start(dear, 3)
+    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD] and run.probing
     turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(6)]
     assert turns == [PLAIN, PLAIN, PLAIN, PLAIN, PLAIN, HEAD] and run.rounds_without_head == 0
     # With a probe budget of a tenth of a plain step per round, the 0.7-step probe (the 0.6-step pass and
     # 0.1 for the wider forward) is paid for after 7 rounds without the head: the first turn after them
     # (declined turns back off 1, 2, 4 rounds).
     run = AdaptiveSchedule(dear, probe_budget=0.1).start(dear, 3)
-    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(11)]
-    assert turns == [PLAIN] * 10 + [HEAD]
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(12)]
+    assert turns == [HEAD] + [PLAIN] * 10 + [HEAD]
     cheap = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.2)
     run = AdaptiveSchedule(cheap).start(cheap, 3)
-    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD]
+    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD] and not run.probing
     for _ in range(4):  # four rounds whose first draft was rejected: acceptance (0 + 1) / (4 + 2) at slot 1
         run.head.record(torch.tensor([3]), torch.tensor([0]), None)
     assert run.sources(None, 1, head_slots=3).tolist() == [PLAIN] and run.plain_steps_left == 1
@@ -271,31 +273,29 @@ def test_a_probe_is_paid_for_with_its_wider_forward_not_only_its_drafting_pass()
 
     Drafting costs 0.1 of a forward and the first draft 0.6 more: before evidence the head's best
     round is worth 1.75 / 1.9 < 1. With a probe budget of a tenth of a plain step per round, the
-    0.7-step probe is paid for after 7 rounds without the head (the first turn after them is the
-    eleventh round: declined turns back off 1, 2, 4 rounds); counting the 0.1-step pass alone, it
-    would probe at the third.
+    0.7-step probe is paid for after 7 rounds without the head (after the first turn's probe, the
+    first turn after them is the eleventh round: declined turns back off 1, 2, 4 rounds); counting
+    the 0.1-step pass alone, it would probe at the third.
     """
     wide = CostTable((1, 2, 3, 4), (1.0, 1.6, 1.8, 2.0), draft_seconds=0.1)
     run = AdaptiveSchedule(wide, probe_budget=0.1).start(wide, 3)
-    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(11)]
-    assert turns == [PLAIN] * 10 + [HEAD]
+    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(12)]
+    assert turns == [HEAD] + [PLAIN] * 10 + [HEAD]
     rows = CostTable((2, 4, 6, 8), (1.0, 1.6, 1.8, 2.0), draft_seconds=0.1)  # two rows: the forward over 4 tokens
     run = AdaptiveSchedule(rows, probe_budget=0.1).start(rows, 3)
-    assert [int(run.sources(None, 2, head_slots=3)[0]) for _ in range(11)] == [PLAIN] * 10 + [HEAD]
+    assert [int(run.sources(None, 2, head_slots=3)[0]) for _ in range(12)] == [HEAD] + [PLAIN] * 10 + [HEAD]
 
 
 def test_a_probe_verifies_a_draft_even_where_its_confidences_would_verify_none():
     """A probing round is there to learn how the head drafts now: it verifies at least one draft per row.
 
-    On the table of the test above the head's turns are declined until the sixth round, when it
-    probes; its confidences (0.01 a slot) would have it verify nothing, yet the probe verifies
-    slot 1. A round where the head drafts because its record says it pays keeps the
-    lookahead's plan (here: nothing).
+    On the table of the test above the head's first turn probes: its confidences (0.01 a slot)
+    would have it verify nothing, yet the probe verifies slot 1. A round where the head drafts
+    because its record says it pays keeps the lookahead's plan (here: nothing).
     """
     dear = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.6)
     run = AdaptiveSchedule(dear, max_backoff=4).start(dear, 3)
-    turns = [int(run.sources(None, 1, head_slots=3)[0]) for _ in range(6)]
-    assert turns == [PLAIN] * 5 + [HEAD] and run.probing
+    assert run.sources(None, 1, head_slots=3).tolist() == [HEAD] and run.probing
     unsure = torch.logit(torch.full((1, 3), 0.01))
     assert run.lengths(unsure, 1, 3).tolist() == [1]
     cheap = CostTable((1, 2, 3, 4), (1.0, 1.1, 1.2, 1.3), draft_seconds=0.0)
