@@ -629,9 +629,11 @@ class AdaptiveRun:
             # Its record may be out of date: it probes once the rounds without it have paid for a probe.
             waited, settings = self.rounds_without_head, self.settings
             probe_cost = (table.draft_seconds + float(forwards[1]) - base) / base  # beyond a plain step
-            paid = waited * settings.probe_budget >= probe_cost or waited >= settings.max_backoff
-            whole = torch.arange(1, width + 2, dtype=torch.float64) * base / (table.draft_seconds + forwards)
-            if paid or (not self.head_drafted and bool((whole > 1.0).any())):  # whole: every draft accepted
+            probes = waited * settings.probe_budget >= probe_cost or waited >= settings.max_backoff
+            if not probes and not self.head_drafted:  # only a prior, no record: probe where a whole draft pays
+                whole = torch.arange(1, width + 2, dtype=torch.float64)  # tokens by width, every draft accepted
+                probes = bool((whole * base / (table.draft_seconds + forwards) > 1.0).any())
+            if probes:
                 option, self.probing = 1, True
             else:
                 self._step_aside()  # as after a probe that did not pay
