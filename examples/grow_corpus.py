@@ -11,7 +11,8 @@ several times larger, session after session, and keeps every step of it committe
    deduplicated against each other and the recipe's prompts and kept away from the evaluation
    prompts; about 20 seconds. The file depends on the installed standard library and reasoning-gym,
    so it is committed (``examples/data/synthetic/prompts.jsonl.xz``) and restored, never rebuilt
-   where a committed one exists.
+   where a committed one exists. Likewise ``prompts-complete.jsonl``: the standard library's
+   functions in HumanEval's form, "complete this function" (source ``stdlib_complete``).
 2. ``magpie``: the target writes requests itself
    (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
    a user turn, steered toward code, math or chat), pool after pool of ``MAGPIE_POOLS`` (another
@@ -59,6 +60,7 @@ from spark_generate.training.prompt_synthesis import (
     MagpieSource,
     ReasoningGymSettings,
     ReasoningGymSource,
+    StdlibSettings,
     StdlibSource,
     synthesize_prompts,
 )
@@ -78,6 +80,7 @@ SAMPLING = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 ARCHIVE = Path(__file__).resolve().parent / "data" / "synthetic"
 SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
 REPORT = ".report.json"  # synthesize_prompts' settings, counts and progress
+COMPLETIONS = "prompts-complete.jsonl"  # the standard library's functions in HumanEval's form
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,26 @@ def stage_prompts() -> Path:
     return path
 
 
+def _completion_prompts(prompts_path: Path) -> list[dict]:
+    """The completion requests (source ``stdlib_complete``): restored from the archive, else written here.
+
+    The evaluation's code prompts are HumanEval's: complete a function from its signature and
+    docstring. The standard-library requests of ``prompts_path`` ask to write, test or explain one;
+    these ask it in HumanEval's form, of each function and method whose signature can be read
+    (deduplicated against ``prompts_path`` and the recipe's prompts, kept away from the evaluation).
+    """
+    path = folder() / COMPLETIONS
+    _restore(COMPLETIONS)
+    if not path.exists():
+        source = StdlibSource(StdlibSettings(kinds=("complete",), kinds_per_object=1), name="stdlib_complete")
+        earlier = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+        result = synthesize_prompts([source], path, exclude=[*prompt_sets.mixed_training_prompts(), *earlier],
+                                    progress="completions")  # fmt: skip
+        print(f"completions: {result.num_kept} kept of {result.num_candidates} candidates, {result.counts}")
+        _archive(COMPLETIONS)  # with its report
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _pool_prompts(pool: MagpiePool) -> tuple[list[dict], bool]:
     """A pool's requests as written so far (tagged with its source), and whether its synthesis is done."""
     path = folder() / pool.file
@@ -155,13 +178,13 @@ def _magpie_prompts() -> list[dict]:
 def slices(prompts_path: Path) -> dict[str, list[str]]:
     """``<source>-<k>.jsonl`` -> its prompts: each source's prompts in file order, ``SLICE_PROMPTS`` a slice.
 
-    The sources are those of ``prompts_path`` and the Magpie requests (:func:`stage_magpie`), whose
-    slices appear as they fill. Ordered by ``k``, then source, so that slices are answered in turn
-    across the sources.
+    The sources are those of ``prompts_path``, the completion requests (:func:`_completion_prompts`)
+    and the Magpie requests (:func:`stage_magpie`), whose slices appear as they fill. Ordered by
+    ``k``, then source, so that slices are answered in turn across the sources.
     """
     by_source: dict[str, list[str]] = {}
     records = [json.loads(line) for line in prompts_path.read_text().splitlines()]
-    for record in [*records, *_magpie_prompts()]:
+    for record in [*records, *_completion_prompts(prompts_path), *_magpie_prompts()]:
         by_source.setdefault(record["source"], []).append(record["prompt"])
     named = {
         (k // SLICE_PROMPTS, source): prompts[k : k + SLICE_PROMPTS]
@@ -182,6 +205,7 @@ def stage_magpie(target, tokenizer, prompts_path: Path, max_minutes: float | Non
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     earlier = [*prompt_sets.mixed_training_prompts()]
     earlier += [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    earlier += [record["prompt"] for record in _completion_prompts(prompts_path)]
     for pool in MAGPIE_POOLS:
         records, finished = _pool_prompts(pool)
         if not finished:
@@ -300,6 +324,7 @@ def main() -> None:
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     prompts_path = stage_prompts()
+    _completion_prompts(prompts_path)
     if args.stage == "archive":  # beside running workers too: each file as far as its progress vouches
         for pool in MAGPIE_POOLS:
             if (folder() / f"{pool.file}{REPORT}").exists():

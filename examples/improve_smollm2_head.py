@@ -877,7 +877,7 @@ def write_card(destination: Path) -> None:
         "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
         "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
         f"the answers its start had not seen and, by default, every {REPLAY_STRIDE}th of those it had (a round's "
-        "`--replay-stride` may replay more, `--replay-offset` another share: the Rounds table's replayed column, "
+        "`--replay-stride` may replay more, `--replay-offset` another share: the Rounds table's replayed answers, "
         "per corpus in rounds.json), and "
         "shipped only when the mean online "
         f"greedy tau of the three domains rose by at least {MIN_GAIN:.0%}. Tau: greedy, block 7, batch 1, whole "
@@ -889,7 +889,7 @@ def write_card(destination: Path) -> None:
     card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
     lines = [
         "\n## Rounds\n",
-        "| round | new answers | replayed | steps x documents | draft layers | tau before, code / math / chat "
+        "| round | new answers | replayed answers | steps x documents | draft layers | tau before, code / math / chat "
         "| after | mean gain | shipped | its DFlash ablation | DSpark over DFlash |",
         "|---:|---:|---:|---:|---|---|---|---:|---|---|---:|",
     ]

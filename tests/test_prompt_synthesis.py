@@ -8,6 +8,7 @@ or interrupted resuming to the uninterrupted file, and the reasoning-gym and sta
 sources (many distinct prompts, none near an evaluation prompt, the same in every process).
 """
 
+import ast
 import importlib
 import json
 import os
@@ -468,6 +469,34 @@ def test_stdlib_requests_name_real_functions_and_stay_far_from_the_evaluation(tm
     assert all(" at 0x" not in r["prompt"] for r in records)
     with pytest.raises(ValueError, match=r"unknown request kinds \['sing'\]"):
         StdlibSource(StdlibSettings(modules=modules, kinds=("sing",)))
+
+
+def test_completion_requests_are_humaneval_stubs_of_functions_that_parse(tmp_path, evaluation):
+    modules = ("textwrap", "itertools", "statistics", "json", "heapq", "bisect", "fractions", "difflib")
+    settings = StdlibSettings(modules=modules, kinds=("complete",), kinds_per_object=1)
+    source = StdlibSource(settings, name="stdlib_complete")
+    askable = [obj for obj in source.objects if obj.what != "class" and obj.signature not in ("", "(...)")]
+    assert len(source) == len(askable) < len(source.objects)  # classes are not asked about
+    result = synthesize_prompts([source], tmp_path / "complete.jsonl", evaluation=evaluation)
+    records = read(result.path)
+    assert {r["source"] for r in records} == {"stdlib_complete"} and {r["kind"] for r in records} == {"complete"}
+    by_name = {obj.name: obj for obj in askable}
+    for record in records:
+        head, code = record["prompt"].split("```python\n")
+        assert head == "Complete the following Python function.\n\n" and code.endswith('    """\n```')
+        (function,) = ast.parse(code.removesuffix("```") + "    pass\n").body  # a whole def, its body to write
+        obj = by_name[record["object"]]
+        assert function.name == obj.name.rsplit(".", 1)[-1]
+        assert " ".join(ast.get_docstring(function).split()) == obj.summary.replace('"""', "'''")
+    dedent = next(obj for obj in askable if obj.name == "textwrap.dedent")
+    assert StdlibSource.request(dedent, "complete") == (
+        "Complete the following Python function.\n\n```python\ndef dedent(text):\n"
+        '    """Remove any common leading whitespace from every line in `text`.\n    """\n```'
+    )
+    fraction = next(obj for obj in source.objects if obj.name == "fractions.Fraction")
+    with pytest.raises(ValueError, match=r"a 'complete' request about the class fractions.Fraction"):
+        StdlibSource.request(fraction, "complete")
+    assert len(StdlibSource(StdlibSettings(modules=modules))) == 2 * len(source.objects)  # the default kinds
 
 
 def test_the_whole_stdlib_walk_is_quiet_safe_and_the_same_in_every_process():

@@ -154,9 +154,11 @@ def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(
         assert usable == (written if finished else written[: len(usable)]) and len(usable) <= len(written)
         assert finished or len(usable) % grow.SLICE_PROMPTS == 0
     assert grow._pool_prompts(grow.MAGPIE_POOLS[0])[1], "the first pool is done"
-    assert sum(map(len, slices.values())) == len(records) + len(magpie)
+    completions = grow._completion_prompts(prompts_path)  # restored: HumanEval's form of the stdlib's functions
+    assert len(completions) >= 3000 and {record["source"] for record in completions} == {"stdlib_complete"}
+    assert sum(map(len, slices.values())) == len(records) + len(completions) + len(magpie)
     assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
-    pools = {pool.file for pool in grow.MAGPIE_POOLS}  # ``magpie-s1.jsonl``: a pool's requests, not a slice
+    pools = {pool.file for pool in grow.MAGPIE_POOLS} | {grow.COMPLETIONS}  # requests, not slices of answers
     archived = sorted(name for path in grow.ARCHIVE.glob("*-*.jsonl.xz") if (name := path.name[:-3]) not in pools)
     assert archived and set(archived) <= set(slices)
     documents = grow.synthetic_documents()

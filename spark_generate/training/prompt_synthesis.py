@@ -85,6 +85,7 @@ import pkgutil
 import random
 import re
 import sys
+import textwrap
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -322,8 +323,13 @@ REQUEST_KINDS = {
     "pitfalls": "What are common mistakes when using `{name}` in Python, and how can I avoid them?",
     "document": "Write a Google-style docstring and type hints for a Python {what} `{short}{signature}` that does "
     "this: {summary}",
+    # HumanEval's form (the evaluation's code prompts): a function's stub, its signature and docstring, to complete.
+    "complete": "Complete the following Python function.\n\n```python\n{stub}```",
 }
-"""How :class:`StdlibSource` asks about an object: templates filled from a :class:`StdlibObject`."""
+"""How :class:`StdlibSource` asks about an object: templates filled from a :class:`StdlibObject`.
+
+``complete`` asks about functions and methods whose signature can be read; the others about every object.
+"""
 
 STDLIB_SKIPPED = frozenset({
     # side effects on import, or a GUI, a REPL or a test suite
@@ -345,14 +351,16 @@ class StdlibSettings:
         modules: Modules to read (their own objects only); None walks every public module and
             submodule of the standard library installed here, except :data:`STDLIB_SKIPPED` and
             modules deprecated on import.
-        kinds: Request kinds (keys of :data:`REQUEST_KINDS`).
-        kinds_per_object: Kinds asked per object, drawn for each object from a seeded generator.
+        kinds: Request kinds (keys of :data:`REQUEST_KINDS`; by default all but ``complete``, which
+            a source of its own asks).
+        kinds_per_object: Kinds asked per object, drawn for each object from a seeded generator
+            among those that can be asked about it.
         max_summary_chars: Longest docstring summary quoted in a request.
         seed: Seed of the draws of kinds.
     """
 
     modules: tuple[str, ...] | None = None
-    kinds: tuple[str, ...] = tuple(REQUEST_KINDS)
+    kinds: tuple[str, ...] = ("implement", "tests", "explain", "example", "pitfalls", "document")
     kinds_per_object: int = 2
     max_summary_chars: int = 400
     seed: int = 0
@@ -977,24 +985,36 @@ def stdlib_objects(modules: Sequence[str] | None = None, max_summary_chars: int 
     return sorted(objects.values(), key=lambda obj: obj.name)
 
 
+def _can_ask(kind: str, obj: StdlibObject) -> bool:
+    """Whether a request of ``kind`` can be made about ``obj`` (``complete`` needs a function's signature)."""
+    return kind != "complete" or (obj.what != "class" and obj.signature not in ("", "(...)"))
+
+
+def _stub(name: str, signature: str, summary: str) -> str:
+    """A function to complete, HumanEval's way: its signature, the summary as its docstring (wrapped, indented)."""
+    text = textwrap.fill(summary.replace("\\", "\\\\").replace('"""', "'''"), width=76)
+    return f'def {name}{signature}:\n    """{textwrap.indent(text, "    ").lstrip()}\n    """\n'
+
+
 class StdlibSource:
     """Code requests about the standard library's objects: ``kinds_per_object`` kinds each.
 
     Candidate order: objects by name (:func:`stdlib_objects`), each object's kinds in the order of
-    ``kinds``; the kinds of an object are drawn by a generator seeded with ``(seed, name)``.
+    ``kinds``; the kinds of an object are drawn by a generator seeded with ``(seed, name)`` among
+    those that can be asked about it (all of them, unless ``complete``: see :data:`REQUEST_KINDS`).
 
     Args:
         settings: Modules, kinds and seed.
+        name: Recorded as each prompt's ``source`` (another for a source of other kinds).
 
     Raises:
         ValueError: If a kind is unknown, ``kinds_per_object`` is out of range or a named module cannot be imported.
     """
 
-    name = "stdlib"
     model_written = False
     chunk_size = 500
 
-    def __init__(self, settings: StdlibSettings = StdlibSettings()) -> None:
+    def __init__(self, settings: StdlibSettings = StdlibSettings(), name: str = "stdlib") -> None:
         unknown = [kind for kind in settings.kinds if kind not in REQUEST_KINDS]
         if unknown or not settings.kinds:
             raise ValueError(
@@ -1004,16 +1024,16 @@ class StdlibSource:
             raise ValueError(
                 f"kinds_per_object={settings.kinds_per_object}; expected 1 to {len(settings.kinds)} (the kinds given)."
             )
+        self.name = name
         self.settings = settings
         self.objects = stdlib_objects(settings.modules, settings.max_summary_chars)
-        self._requests = [
-            (obj, kind)
-            for obj in self.objects
-            for kind in sorted(
-                random.Random(f"stdlib/{settings.seed}/{obj.name}").sample(settings.kinds, settings.kinds_per_object),
-                key=settings.kinds.index,
+        self._requests = []
+        for obj in self.objects:
+            kinds = [kind for kind in settings.kinds if _can_ask(kind, obj)]
+            drawn = random.Random(f"stdlib/{settings.seed}/{obj.name}").sample(
+                kinds, min(settings.kinds_per_object, len(kinds))
             )
-        ]
+            self._requests += [(obj, kind) for kind in sorted(drawn, key=settings.kinds.index)]
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -1032,11 +1052,21 @@ class StdlibSource:
 
     @staticmethod
     def request(obj: StdlibObject, kind: str) -> str:
-        """The request of one kind about an object."""
+        """The request of one kind about an object.
+
+        Raises:
+            ValueError: If that kind cannot be asked about it (``complete`` about a class, or without a signature).
+        """
+        if not _can_ask(kind, obj):
+            raise ValueError(
+                f"a {kind!r} request about the {obj.what} {obj.name}{obj.signature}: expected a function or "
+                "method whose signature can be read."
+            )
         short = obj.name.rsplit(".", 1)[-1]
         return REQUEST_KINDS[kind].format(
-            what=obj.what, name=obj.name, short=short, signature=obj.signature, summary=obj.summary
-        )
+            what=obj.what, name=obj.name, short=short, signature=obj.signature, summary=obj.summary,
+            stub=_stub(short, obj.signature, obj.summary) if kind == "complete" else "",
+        )  # fmt: skip
 
     def candidates(self, start: int, stop: int) -> list[Candidate]:
         """Requests ``start`` to ``stop - 1``."""
