@@ -21,7 +21,8 @@ from three sources, and writes them in the prompt format of :func:`~spark_genera
 * **the standard library** (:class:`StdlibSource`): the public functions, classes and methods of the
   Python standard library installed here, with their signatures and the summary of their
   docstrings (:func:`stdlib_objects`), each asked for in ``kinds_per_object`` of several ways:
-  implement it, test it, explain it, use it, its pitfalls, document it.
+  implement it, test it, explain it, use it, its pitfalls, document it; or, a source of its own,
+  complete it in HumanEval's form (its signature and docstring as a stub; functions and methods).
 
 **Filters.** Text a model wrote must look like a request: it is dropped when empty, truncated (no end
 of turn within the token budget), leaking template tokens, too long, too short (in words, or
