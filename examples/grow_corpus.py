@@ -11,8 +11,10 @@ several times larger, session after session, and keeps every step of it committe
    deduplicated against each other and the recipe's prompts and kept away from the evaluation
    prompts; about 20 seconds. The file depends on the installed standard library and reasoning-gym,
    so it is committed (``examples/data/synthetic/prompts.jsonl.xz``) and restored, never rebuilt
-   where a committed one exists. Likewise ``prompts-complete.jsonl``: the standard library's
-   functions in HumanEval's form, "complete this function" (source ``stdlib_complete``).
+   where a committed one exists. Likewise the completion requests of ``COMPLETION_SETS``, functions
+   in HumanEval's form, "complete this function": the standard library's (``prompts-complete.jsonl``,
+   source ``stdlib_complete``), then those of installed packages (numpy, scipy, networkx, sympy, ...:
+   ``prompts-complete-packages.jsonl``, source ``package_complete``).
 2. ``magpie``: the target writes requests itself
    (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
    a user turn, steered toward code, math or chat), pool after pool of ``MAGPIE_POOLS`` (another
@@ -80,7 +82,6 @@ SAMPLING = SamplingSettings(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
 ARCHIVE = Path(__file__).resolve().parent / "data" / "synthetic"
 SIDECARS = (".meta.json", ".progress.json")  # regenerate's settings and progress files
 REPORT = ".report.json"  # synthesize_prompts' settings, counts and progress
-COMPLETIONS = "prompts-complete.jsonl"  # the standard library's functions in HumanEval's form
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,38 @@ class MagpiePool:
     source: str
     settings: MagpieSettings
 
+
+@dataclass(frozen=True)
+class CompletionSet:
+    """Functions to complete in HumanEval's form, read from modules (:class:`StdlibSource`, kind ``complete``).
+
+    Attributes:
+        file: Where they are written (in :func:`folder`, archived as ``<file>.xz``).
+        source: The source recorded per prompt, and the name of their slices.
+        modules: The modules read (None: the whole standard library).
+    """
+
+    file: str
+    source: str
+    modules: tuple[str, ...] | None
+
+    def prompt_source(self) -> StdlibSource:
+        """One ``complete`` request of each function and method whose signature can be read."""
+        return StdlibSource(StdlibSettings(self.modules, kinds=("complete",), kinds_per_object=1), name=self.source)
+
+
+PACKAGE_MODULES = (
+    "numpy", "numpy.linalg", "numpy.random", "numpy.fft", "scipy.stats", "scipy.linalg", "scipy.optimize",
+    "scipy.special", "scipy.signal", "scipy.integrate", "scipy.interpolate", "scipy.sparse", "scipy.spatial",
+    "scipy.ndimage", "networkx", "sympy", "sortedcontainers", "dateutil.parser", "dateutil.relativedelta",
+    "dateutil.rrule", "regex",
+)  # fmt: skip
+"""Modules of installed packages (reasoning-gym's dependencies and their own) whose functions are asked for."""
+
+COMPLETION_SETS = (
+    CompletionSet("prompts-complete.jsonl", "stdlib_complete", None),  # 3,161 kept
+    CompletionSet("prompts-complete-packages.jsonl", "package_complete", PACKAGE_MODULES),
+)
 
 MAGPIE_POOLS = (
     MagpiePool("magpie.jsonl", "magpie", MagpieSettings(num_prompts=18_000)),  # 15,169 kept
@@ -136,23 +169,29 @@ def stage_prompts() -> Path:
 
 
 def _completion_prompts(prompts_path: Path) -> list[dict]:
-    """The completion requests (source ``stdlib_complete``): restored from the archive, else written here.
+    """The completion requests of ``COMPLETION_SETS`` in turn: each restored from the archive, else written here.
 
     The evaluation's code prompts are HumanEval's: complete a function from its signature and
     docstring. The standard-library requests of ``prompts_path`` ask to write, test or explain one;
     these ask it in HumanEval's form, of each function and method whose signature can be read
-    (deduplicated against ``prompts_path`` and the recipe's prompts, kept away from the evaluation).
+    (each set deduplicated against ``prompts_path``, the recipe's prompts and the sets before it,
+    kept away from the evaluation).
     """
-    path = folder() / COMPLETIONS
-    _restore(COMPLETIONS)
-    if not path.exists():
-        source = StdlibSource(StdlibSettings(kinds=("complete",), kinds_per_object=1), name="stdlib_complete")
-        earlier = [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
-        result = synthesize_prompts([source], path, exclude=[*prompt_sets.mixed_training_prompts(), *earlier],
-                                    progress="completions")  # fmt: skip
-        print(f"completions: {result.num_kept} kept of {result.num_candidates} candidates, {result.counts}")
-        _archive(COMPLETIONS)  # with its report
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    earlier = [*prompt_sets.mixed_training_prompts()]
+    earlier += [json.loads(line)["prompt"] for line in prompts_path.read_text().splitlines()]
+    records = []
+    for completion_set in COMPLETION_SETS:
+        path = folder() / completion_set.file
+        _restore(completion_set.file)
+        if not path.exists():
+            result = synthesize_prompts([completion_set.prompt_source()], path, exclude=earlier,
+                                        progress=completion_set.source)  # fmt: skip
+            print(f"{completion_set.source}: {result.num_kept} kept of {result.num_candidates}, {result.counts}")
+            _archive(completion_set.file)  # with its report
+        written = [json.loads(line) for line in path.read_text().splitlines()]
+        earlier += [record["prompt"] for record in written]
+        records += written
+    return records
 
 
 def _pool_prompts(pool: MagpiePool) -> tuple[list[dict], bool]:

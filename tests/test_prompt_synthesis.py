@@ -10,6 +10,7 @@ sources (many distinct prompts, none near an evaluation prompt, the same in ever
 
 import ast
 import importlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -497,6 +498,18 @@ def test_completion_requests_are_humaneval_stubs_of_functions_that_parse(tmp_pat
     with pytest.raises(ValueError, match=r"a 'complete' request about the class fractions.Fraction"):
         StdlibSource.request(fraction, "complete")
     assert len(StdlibSource(StdlibSettings(modules=modules))) == 2 * len(source.objects)  # the default kinds
+
+
+def test_an_installed_package_is_read_like_the_stdlib_and_its_version_recorded():
+    settings = StdlibSettings(modules=("tqdm",), kinds=("complete",), kinds_per_object=1)
+    source = StdlibSource(settings, name="package_complete")
+    assert {"tqdm.tqdm", "tqdm.tqdm.close"} <= {obj.name for obj in source.objects}
+    assert all(obj.name.startswith("tqdm.") for obj in source.objects) and len(source) >= 10
+    described = source.describe()
+    assert described["packages"] == {"tqdm": importlib.metadata.version("tqdm")}
+    assert "packages" not in StdlibSource(StdlibSettings(modules=("textwrap",))).describe()  # the stdlib's: Python's
+    with pytest.raises(ValueError, match=r"the module 'no_such_package' cannot be imported here; expected a module"):
+        StdlibSource(StdlibSettings(modules=("no_such_package",)))
 
 
 def test_the_whole_stdlib_walk_is_quiet_safe_and_the_same_in_every_process():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -154,11 +155,12 @@ def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(
         assert usable == (written if finished else written[: len(usable)]) and len(usable) <= len(written)
         assert finished or len(usable) % grow.SLICE_PROMPTS == 0
     assert grow._pool_prompts(grow.MAGPIE_POOLS[0])[1], "the first pool is done"
-    completions = grow._completion_prompts(prompts_path)  # restored: HumanEval's form of the stdlib's functions
-    assert len(completions) >= 3000 and {record["source"] for record in completions} == {"stdlib_complete"}
+    completions = grow._completion_prompts(prompts_path)  # restored: functions in HumanEval's form
+    counts = Counter(record["source"] for record in completions)
+    assert list(counts) == [s.source for s in grow.COMPLETION_SETS] and counts["stdlib_complete"] > 3000
     assert sum(map(len, slices.values())) == len(records) + len(completions) + len(magpie)
     assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
-    pools = {pool.file for pool in grow.MAGPIE_POOLS} | {grow.COMPLETIONS}  # requests, not slices of answers
+    pools = {p.file for p in grow.MAGPIE_POOLS} | {s.file for s in grow.COMPLETION_SETS}  # requests, not answers
     archived = sorted(name for path in grow.ARCHIVE.glob("*-*.jsonl.xz") if (name := path.name[:-3]) not in pools)
     assert archived and set(archived) <= set(slices)
     documents = grow.synthetic_documents()

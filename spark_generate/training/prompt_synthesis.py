@@ -23,6 +23,7 @@ from three sources, and writes them in the prompt format of :func:`~spark_genera
   docstrings (:func:`stdlib_objects`), each asked for in ``kinds_per_object`` of several ways:
   implement it, test it, explain it, use it, its pitfalls, document it; or, a source of its own,
   complete it in HumanEval's form (its signature and docstring as a stub; functions and methods).
+  Named modules of installed packages (``numpy``, ``networkx``, ...) are read the same way.
 
 **Filters.** Text a model wrote must look like a request: it is dropped when empty, truncated (no end
 of turn within the token budget), leaking template tokens, too long, too short (in words, or
@@ -349,9 +350,10 @@ class StdlibSettings:
     """Which standard-library requests to make.
 
     Attributes:
-        modules: Modules to read (their own objects only); None walks every public module and
-            submodule of the standard library installed here, except :data:`STDLIB_SKIPPED` and
-            modules deprecated on import.
+        modules: Modules to read (their own objects only), of the standard library or of any
+            installed package (whose version :meth:`StdlibSource.describe` records); None walks
+            every public module and submodule of the standard library installed here, except
+            :data:`STDLIB_SKIPPED` and modules deprecated on import.
         kinds: Request kinds (keys of :data:`REQUEST_KINDS`; by default all but ``complete``, which
             a source of its own asks).
         kinds_per_object: Kinds asked per object, drawn for each object from a seeded generator
@@ -901,7 +903,8 @@ def _stdlib_modules(names: Sequence[str] | None) -> list[ModuleType]:
             module = _import_quietly(name)
             if module is None:
                 raise ValueError(
-                    f"the standard-library module {name!r} cannot be imported here; expected one that can."
+                    f"the module {name!r} cannot be imported here; expected a module of the standard library "
+                    "or of an installed package (install it, or leave it out of StdlibSettings.modules)."
                 )
             modules.append(module)
         return modules
@@ -936,7 +939,7 @@ def _belongs(obj: object, module: ModuleType) -> bool:
 
 
 def stdlib_objects(modules: Sequence[str] | None = None, max_summary_chars: int = 400) -> list[StdlibObject]:
-    """The documented public functions, classes and methods of the standard library installed here.
+    """The documented public functions, classes and methods of the standard library installed here (or of ``modules``).
 
     A module is read for the public names it exports (``__all__``, else its public names) that its
     own package defines; each object is listed once, under the name of the shallowest module that
@@ -986,6 +989,13 @@ def stdlib_objects(modules: Sequence[str] | None = None, max_summary_chars: int 
     return sorted(objects.values(), key=lambda obj: obj.name)
 
 
+def _package_versions(modules: Sequence[str]) -> dict[str, str]:
+    """``{distribution: version}`` of the installed packages the modules belong to (none for the standard library)."""
+    distributions = importlib.metadata.packages_distributions()
+    tops = sorted({name.split(".")[0] for name in modules} - set(sys.stdlib_module_names))
+    return {dist: importlib.metadata.version(dist) for top in tops for dist in sorted(set(distributions.get(top, [])))}
+
+
 def _can_ask(kind: str, obj: StdlibObject) -> bool:
     """Whether a request of ``kind`` can be made about ``obj`` (``complete`` needs a function's signature)."""
     return kind != "complete" or (obj.what != "class" and obj.signature not in ("", "(...)"))
@@ -998,7 +1008,7 @@ def _stub(name: str, signature: str, summary: str) -> str:
 
 
 class StdlibSource:
-    """Code requests about the standard library's objects: ``kinds_per_object`` kinds each.
+    """Code requests about the objects of the standard library (or of named modules): ``kinds_per_object`` kinds each.
 
     Candidate order: objects by name (:func:`stdlib_objects`), each object's kinds in the order of
     ``kinds``; the kinds of an object are drawn by a generator seeded with ``(seed, name)`` among
@@ -1040,13 +1050,15 @@ class StdlibSource:
         return len(self._requests)
 
     def describe(self) -> dict[str, Any]:
-        """The settings, the Python version and a digest of the objects read, as JSON."""
+        """The settings, the Python version (and those of the packages read) and a digest of the objects, as JSON."""
         digest = hashlib.sha256(json.dumps([dataclasses.astuple(obj) for obj in self.objects]).encode()).hexdigest()
+        packages = _package_versions(self.settings.modules or ())
         return {
             "name": self.name,
             "num_candidates": len(self),
             "settings": dataclasses.asdict(self.settings),
             "python": sys.version.split()[0],
+            **({"packages": packages} if packages else {}),
             "num_objects": len(self.objects),
             "objects_sha256": digest,
         }
