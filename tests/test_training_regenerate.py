@@ -8,6 +8,7 @@ run stopped by its time budget, interrupted mid-batch or cut off mid-write resum
 file of one uninterrupted run. The ``regenerate`` command is run on a saved copy of the target.
 """
 
+import dataclasses
 import json
 import lzma
 from pathlib import Path
@@ -148,6 +149,10 @@ def test_a_run_stopped_by_its_budget_resumes_to_the_uninterrupted_file(tmp_path,
     assert len(runs) >= 2 and all(run.session_answer_tokens for run in runs)
     assert resumed.read_bytes() == straight.read_bytes()
     assert runs[-1].answer_tokens == sum(run.session_answer_tokens for run in runs)
+    progress = resumed.with_name("resumed.jsonl.progress.json").read_bytes()
+    again = regenerate(target, tokenizer, PROMPTS, resumed, SAMPLED, batch_size=3, max_minutes=0.5)
+    assert again == dataclasses.replace(runs[-1], session_answer_tokens=0, session_seconds=0.0)
+    assert resumed.with_name("resumed.jsonl.progress.json").read_bytes() == progress  # a finished file: no time added
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_file(tmp_path, target, monkeypatch):

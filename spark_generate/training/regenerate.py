@@ -433,9 +433,10 @@ class _Records:
         write_json_atomically(self.progress_path, self.progress)
         self.done.update(record["index"] for record in records)
 
-    def close(self) -> None:
-        """Records the time spent since the last commit and closes the file."""
-        self.commit([])
+    def close(self, record_time: bool = True) -> None:
+        """Records the time spent since the last commit (unless told not to) and closes the file."""
+        if record_time:
+            self.commit([])
         os.close(self.file)
 
 
@@ -502,6 +503,9 @@ def regenerate(
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else target.config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    if len(records.done) == len(prompts):  # a finished file: nothing to answer, no time spent on it
+        records.close(record_time=False)
+        return _progress(output_path, len(prompts), start, records.progress)
     bar = tqdm(total=len(prompts), initial=len(records.done), desc=progress, unit="prompt", disable=progress is None)
     try:
         with packed_linears(target, enabled=pack):
@@ -521,9 +525,13 @@ def regenerate(
     finally:
         bar.close()
         records.close()
-    end = records.progress
+    return _progress(output_path, len(prompts), start, records.progress)
+
+
+def _progress(path: Path, num_prompts: int, start: dict, end: dict) -> RegenerationProgress:
+    """Where a file stands after a run that began at progress ``start`` and ended at ``end``."""
     return RegenerationProgress(
-        path=output_path, num_prompts=len(prompts), num_done=end["num_done"], answer_tokens=end["answer_tokens"],
+        path=path, num_prompts=num_prompts, num_done=end["num_done"], answer_tokens=end["answer_tokens"],
         seconds=end["seconds"], session_answer_tokens=end["answer_tokens"] - start["answer_tokens"],
         session_seconds=end["seconds"] - start["seconds"],
     )  # fmt: skip
