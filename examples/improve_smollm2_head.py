@@ -140,6 +140,14 @@ EVAL_NEW_TOKENS = 128  # greedy answer length of every evaluation prompt (the ro
 EVAL_BATCH = 8  # evaluation prompts answered together
 MIN_GAIN = 0.03  # the mean online tau must rise by this fraction for the round's head to be shipped
 REPLAY_STRIDE = 8  # a round replays every 8th answer its start was trained on, beside the new ones
+SOURCE_DESCRIPTIONS = {
+    "stdlib": "standard-library code requests",
+    "reasoning_gym": "reasoning-gym problems",
+    "stdlib_complete": "standard-library functions to complete in HumanEval's form",
+    "package_complete": "installed packages' functions to complete in HumanEval's form",
+    "magpie": "requests the target wrote itself, Magpie-style",
+}
+"""How the card names the synthesized prompts of each source of ``grow_corpus.py`` (``magpie_s1``: as ``magpie``)."""
 # The target's forward that fills a round's feature caches runs under bfloat16 autocast (unpacked: the
 # packed kernels are float32), 16 documents a forward: on a 2-core Xeon with AMX 1,900 tokens/s of the
 # corpus against 500 one float32 document at a time, and a head trained from such a cache learns as from
@@ -844,6 +852,11 @@ def _taus(taus: dict[str, float]) -> str:
     return " / ".join(f"{tau:.2f}" for tau in taus.values())
 
 
+def _source_kind(source: str) -> str:
+    """A corpus source's key in :data:`SOURCE_DESCRIPTIONS`: its name less a Magpie pool's seed (``magpie_s1``)."""
+    return re.sub(r"_s\d+$", "", source)
+
+
 def write_card(destination: Path) -> None:
     """The card of a head shipped by a round: its online evaluation, the rounds so far, provenance and benchmark."""
     head = DSparkHead.from_pretrained(destination)
@@ -865,6 +878,11 @@ def write_card(destination: Path) -> None:
         )
     results["STS temperatures"] = " / ".join(f"{t:.2f}" for t in calibration["temperatures"])
     promoted = [entry for entry in rounds if entry["promoted"]]
+    recipe_files = {corpus.file for corpus in recipe.CORPORA.values()}
+    answered = promoted[-1]["answers"] if promoted else {}
+    kinds = {_source_kind(name.rsplit("-", 1)[0]) for name in answered if name not in recipe_files}
+    described = [SOURCE_DESCRIPTIONS[kind] for kind in SOURCE_DESCRIPTIONS if kind in kinds]
+    described = [", ".join(described[:-1]), described[-1]] if len(described) > 1 else described
     training = (
         "A head first trained in stages by `examples/train_smollm2_head.py` (spark_generate; its provenance is "
         f"the innermost `previous` in provenance.json), then trained further in {len(promoted)} shipped round(s) of "
@@ -874,8 +892,8 @@ def write_card(destination: Path) -> None:
         f"learning rate {ROUND['learning_rate']:g}; in one lease of a GPU: {LEASE_ROUND['batch_size']} documents "
         f"x {LEASE_ROUND['num_anchors']} blocks, peak learning rate {LEASE_ROUND['learning_rate']:g}, as many "
         "steps as fitted the lease; warmup and cosine decay) on the target's own answers to the "
-        "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` (standard-library "
-        "code requests, reasoning-gym problems and requests the target wrote itself, Magpie-style), each round on "
+        "recipe's training prompts and to the synthesized prompts of `examples/grow_corpus.py` "
+        f"({' and '.join(described)}), each round on "
         f"the answers its start had not seen and, by default, every {REPLAY_STRIDE}th of those it had (a round's "
         "`--replay-stride` may replay more, `--replay-offset` another share: the Rounds table's replayed answers, "
         "per corpus in rounds.json), and "
