@@ -500,12 +500,12 @@ def regenerate(
     }
     records = _Records(output_path, meta)
     start = records.progress.copy()
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else target.config.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     if len(records.done) == len(prompts):  # a finished file: nothing to answer, no time spent on it
         records.close(record_time=False)
         return _progress(output_path, len(prompts), start, records.progress)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else target.config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     bar = tqdm(total=len(prompts), initial=len(records.done), desc=progress, unit="prompt", disable=progress is None)
     try:
         with packed_linears(target, enabled=pack):
