@@ -48,6 +48,7 @@ import argparse
 import fcntl
 import json
 import multiprocessing
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -321,8 +322,15 @@ def _run_workers(prompts_path: Path, max_minutes: float | None, workers: int) ->
     """``workers`` processes of one thread each (``spawn``: no forked torch state); True if all finished.
 
     Every worker is waited for before the pool closes (closing terminates the workers): one that
-    stops at the budget must not cut short another still writing and archiving its slice.
+    stops at the budget must not cut short another still writing and archiving its slice. A SIGTERM
+    to this process leaves the pool the same way, so the workers stop with it instead of running on
+    (their slices resume from the last committed answer).
     """
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(f"stopped by signal {signum} with the workers: run the same command again to continue.")
+
+    signal.signal(signal.SIGTERM, stop)
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers) as pool:
         results = [pool.apply_async(_worker, (prompts_path, max_minutes, 1)) for _ in range(workers)]
