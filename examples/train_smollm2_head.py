@@ -83,7 +83,7 @@ from spark_generate.training.evaluation import (
     plot_history,
 )
 from spark_generate.training.initialization import feature_scale_from_cache
-from spark_generate.training.provenance import card_rows
+from spark_generate.training.provenance import card_rows, earlier_stages
 from spark_generate.training.regenerate import (
     SamplingSettings,
     archive_file,
@@ -486,7 +486,13 @@ def write_card(workdir: Path, destination: Path) -> None:
         "weights the head was trained against, not the bfloat16 Hub checkpoint its verifier name points to. "
         f"Calibration: STS temperatures fitted on {NUM_CALIBRATION_PROMPTS} held-out training-split prompts."
     )
-    card = head.model_card(license="apache-2.0", training=training, provenance=card_rows(provenance), results=results)
+    card = head.model_card(
+        license="apache-2.0",
+        training=training,
+        provenance=card_rows(provenance),
+        earlier_stages=earlier_stages(provenance),
+        results=results,
+    )
     text = str(card)
     reliability = report(workdir, "calibration", "dspark").with_suffix(".png")
     if reliability.exists():

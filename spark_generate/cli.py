@@ -399,7 +399,7 @@ def _card(args: argparse.Namespace) -> str:
     from spark_generate.heads import DSparkHead
     from spark_generate.heads.hub_io import load_calibration
     from spark_generate.training.evaluation import DecodingSettings
-    from spark_generate.training.provenance import card_rows
+    from spark_generate.training.provenance import card_rows, earlier_stages
 
     head = DSparkHead.from_pretrained(args.head)
     provenance_path = Path(args.provenance) if args.provenance else Path(args.head) / "provenance.json"
@@ -422,7 +422,8 @@ def _card(args: argparse.Namespace) -> str:
             results["STS calibration decoding"] = DecodingSettings.describe(decoding)
     card = head.model_card(
         model_id=args.model_id, license=args.license, datasets=args.datasets, training=training,
-        provenance=None if provenance is None else card_rows(provenance), results=results or None,
+        provenance=None if provenance is None else card_rows(provenance),
+        earlier_stages=None if provenance is None else earlier_stages(provenance), results=results or None,
     )  # fmt: skip
     output = Path(args.output) if args.output else Path(args.head) / "README.md"
     card.save(output)

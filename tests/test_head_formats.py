@@ -121,6 +121,30 @@ def test_model_card_is_written(tmp_path, qwen3):
     )
 
 
+def test_model_card_sums_up_earlier_stages(qwen3):
+    from spark_generate.training.provenance import card_rows, earlier_stages
+
+    def stage(step: int, commit: str, tau: float | None, previous: dict | None) -> dict:
+        return {
+            "step": step, "git_commit": commit, "argv": ["examples/train.py", "--max-minutes", "5"],
+            "training": {"batch_size": 8}, "data": {"num_sequences": 12754},
+            "teacher_forced_metrics": None if tau is None else {"tau": tau}, "previous": previous,
+        }  # fmt: skip
+
+    provenance = stage(4000, "c" * 40, 2.9, stage(3000, "b" * 40, 2.5, stage(100, "a" * 40, None, None)))
+    rows = card_rows(provenance)
+    assert rows["step"] == "4000" and rows["training.batch_size"] == "8"
+    assert not any(key.startswith("previous") for key in rows)  # summed up below instead
+    stages = earlier_stages(provenance)
+    assert [row["stages back"] for row in stages] == ["1", "2"]
+    assert stages[0]["commit"] == "b" * 12 and stages[0]["steps x documents"] == "3000 x 8"
+    assert stages[0]["command"] == "train.py --max-minutes 5" and stages[0]["training documents"] == "12,754"
+    assert stages[0]["teacher-forced tau, last batch"] == "2.50" and stages[1]["teacher-forced tau, last batch"] == "-"
+    text = str(tiny_head(qwen3).model_card(provenance=rows, earlier_stages=stages))
+    assert "| stages back | command | commit |" in text and "| 2 | train.py --max-minutes 5 | aaaaaaaaaaaa |" in text
+    assert "previous." not in text
+
+
 def write_deepspec_folder(head: DSparkHead, target, folder: Path) -> None:
     """Writes a head the way DeepSpec's save_pretrained does: a Qwen3 config, 0-based ids, full copies."""
     config = head.config

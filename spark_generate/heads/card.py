@@ -9,7 +9,7 @@ template engine is needed; the YAML header is written by :class:`huggingface_hub
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from string import Template
 
@@ -29,6 +29,12 @@ def _table(rows: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _column_table(rows: Sequence[Mapping[str, object]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(str(value) for value in row.values()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def render_model_card(
     config: DSparkConfig,
     *,
@@ -38,6 +44,7 @@ def render_model_card(
     datasets: list[str] | None = None,
     training: str | None = None,
     provenance: Mapping[str, object] | None = None,
+    earlier_stages: Sequence[Mapping[str, object]] | None = None,
     results: Mapping[str, object] | None = None,
 ) -> ModelCard:
     """Renders the model card of a head.
@@ -50,6 +57,8 @@ def render_model_card(
         datasets: Hub ids of the training datasets.
         training: How the head was trained, in prose (data, regeneration, recipe).
         provenance: Facts such as commit, date, hardware, seed; rendered as a table.
+        earlier_stages: The stages the head was trained in before, newest first, one summary row
+            each (the same keys in every row); rendered as a table after ``provenance``.
         results: Measured numbers (mean accepted length, speed-up with hardware, temperature).
 
     Returns:
@@ -74,6 +83,11 @@ def render_model_card(
     training_text = training or NO_TRAINING
     if provenance:
         training_text += "\n\n" + _table(provenance)
+    if earlier_stages:
+        training_text += (
+            "\n\nEarlier stages, newest first (`provenance.json` keeps every field of each):\n\n"
+            + _column_table(earlier_stages)
+        )
     values = {
         "card_data": card_data.to_yaml(),
         "model_name": f"DSpark head for {base_model}",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,7 @@ class DSparkHubMixin(PreTrainedModel):
         datasets: list[str] | None = None,
         training: str | None = None,
         provenance: Mapping[str, object] | None = None,
+        earlier_stages: Sequence[Mapping[str, object]] | None = None,
         results: Mapping[str, object] | None = None,
     ) -> ModelCard:
         """Renders the ``README.md`` model card (see :func:`~spark_generate.heads.card.render_model_card`)."""
@@ -183,6 +184,7 @@ class DSparkHubMixin(PreTrainedModel):
             datasets=datasets,
             training=training,
             provenance=provenance,
+            earlier_stages=earlier_stages,
             results=results,
         )
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-__all__ = ["card_rows", "git_commit", "package_versions", "target_identity"]
+__all__ = ["card_rows", "earlier_stages", "git_commit", "package_versions", "target_identity"]
 
 _PACKAGES = ("spark_generate", "torch", "transformers", "accelerate", "safetensors")
 
@@ -73,12 +73,41 @@ def package_versions() -> dict[str, str | None]:
 
 
 def card_rows(record: dict, prefix: str = "") -> dict[str, str]:
-    """Nested provenance JSON as ``{"a.b": "value"}`` rows for a model-card table (None values dropped)."""
+    """One stage's provenance JSON as ``{"a.b": "value"}`` rows for a model-card table.
+
+    None values are dropped, and so is the ``previous`` stage (:func:`earlier_stages` sums those up).
+    """
     rows = {}
     for key, value in record.items():
         name = f"{prefix}{key}"
+        if key == "previous" and not prefix:
+            continue
         if isinstance(value, dict):
             rows.update(card_rows(value, f"{name}."))
         elif value is not None:
             rows[name] = json.dumps(value) if isinstance(value, list) else str(value)
+    return rows
+
+
+def earlier_stages(record: dict) -> list[dict[str, str]]:
+    """One summary row per stage in the ``previous`` chain of ``record``, newest first.
+
+    Each row names the command, commit, steps x documents per step, training documents and the
+    teacher-forced tau of the stage's last training batch; ``provenance.json`` keeps every field.
+    """
+    rows = []
+    stage = record.get("previous")
+    while isinstance(stage, dict):
+        training = stage.get("training") or {}
+        argv = stage.get("argv") or []
+        tau = (stage.get("teacher_forced_metrics") or {}).get("tau")
+        rows.append({
+            "stages back": str(len(rows) + 1),
+            "command": " ".join([Path(argv[0]).name, *argv[1:]]) if argv else "unrecorded",
+            "commit": (stage.get("git_commit") or "unrecorded")[:12],
+            "steps x documents": f"{stage.get('step', '?')} x {training.get('batch_size', '?')}",
+            "training documents": f"{(stage.get('data') or {}).get('num_sequences', '?'):,}",
+            "teacher-forced tau, last batch": "-" if tau is None else f"{tau:.2f}",
+        })  # fmt: skip
+        stage = stage.get("previous")
     return rows
