@@ -14,7 +14,10 @@ several times larger, session after session, and keeps every step of it committe
    where a committed one exists. Likewise the completion requests of ``COMPLETION_SETS``, functions
    in HumanEval's form, "complete this function": the standard library's (``prompts-complete.jsonl``,
    source ``stdlib_complete``), then those of installed packages (numpy, scipy, networkx, sympy, ...:
-   ``prompts-complete-packages.jsonl``, source ``package_complete``).
+   ``prompts-complete-packages.jsonl``, source ``package_complete``), then those of pure-Python
+   utility libraries, the closest to HumanEval's small functions on sequences, strings and dicts
+   (more-itertools, toolz, boltons, pydash, funcy, ...: ``prompts-complete-utilities.jsonl``, source
+   ``utility_complete``; the ``data`` extra pins them).
 2. ``magpie``: the target writes requests itself
    (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
    a user turn, steered toward code, math or chat), pool after pool of ``MAGPIE_POOLS`` (another
@@ -127,9 +130,23 @@ PACKAGE_MODULES = (
 )  # fmt: skip
 """Modules of installed packages (reasoning-gym's dependencies and their own) whose functions are asked for."""
 
+UTILITY_MODULES = (
+    "more_itertools.more", "more_itertools.recipes", "toolz.dicttoolz", "toolz.functoolz", "toolz.itertoolz",
+    "toolz.recipes", "boltons.cacheutils", "boltons.dictutils", "boltons.fileutils", "boltons.formatutils",
+    "boltons.funcutils", "boltons.iterutils", "boltons.listutils", "boltons.mathutils", "boltons.queueutils",
+    "boltons.setutils", "boltons.statsutils", "boltons.strutils", "boltons.tableutils", "boltons.timeutils",
+    "boltons.typeutils", "boltons.urlutils", "pydash.arrays", "pydash.collections", "pydash.functions",
+    "pydash.numerical", "pydash.objects", "pydash.predicates", "pydash.strings", "pydash.utilities", "funcy.calc",
+    "funcy.colls", "funcy.debug", "funcy.decorators", "funcy.flow", "funcy.funcmakers", "funcy.funcolls",
+    "funcy.funcs", "funcy.objects", "funcy.seqs", "funcy.strings", "funcy.tree", "funcy.types", "humanize.filesize",
+    "humanize.lists", "humanize.number", "humanize.time", "inflection",
+)  # fmt: skip
+"""Modules of pure-Python utility libraries (the ``data`` extra) whose functions are asked for."""
+
 COMPLETION_SETS = (
     CompletionSet("prompts-complete.jsonl", "stdlib_complete", None),  # 3,161 kept
-    CompletionSet("prompts-complete-packages.jsonl", "package_complete", PACKAGE_MODULES),
+    CompletionSet("prompts-complete-packages.jsonl", "package_complete", PACKAGE_MODULES),  # 3,169 kept
+    CompletionSet("prompts-complete-utilities.jsonl", "utility_complete", UTILITY_MODULES),
 )
 
 MAGPIE_POOLS = (

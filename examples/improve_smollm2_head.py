@@ -145,6 +145,7 @@ SOURCE_DESCRIPTIONS = {
     "reasoning_gym": "reasoning-gym problems",
     "stdlib_complete": "standard-library functions to complete in HumanEval's form",
     "package_complete": "installed packages' functions to complete in HumanEval's form",
+    "utility_complete": "utility libraries' functions to complete in HumanEval's form",
     "magpie": "requests the target wrote itself, Magpie-style",
 }
 """How the card names the synthesized prompts of each source of ``grow_corpus.py`` (``magpie_s1``: as ``magpie``)."""

@@ -159,6 +159,9 @@ def test_the_growing_corpus_restores_its_prompts_and_slices_into_an_empty_cache(
     counts = Counter(record["source"] for record in completions)
     assert list(counts) == [s.source for s in grow.COMPLETION_SETS] and counts["stdlib_complete"] > 3000
     assert sum(map(len, slices.values())) == len(records) + len(completions) + len(magpie)
+    sources = {record["source"] for record in [*records, *completions, *magpie]}
+    improve = _example("improve_smollm2_head")  # whose card names each source
+    assert {improve._source_kind(source) for source in sources} <= set(improve.SOURCE_DESCRIPTIONS)
     assert all(0 < len(prompts) <= grow.SLICE_PROMPTS for prompts in slices.values())
     pools = {p.file for p in grow.MAGPIE_POOLS} | {s.file for s in grow.COMPLETION_SETS}  # requests, not answers
     archived = sorted(name for path in grow.ARCHIVE.glob("*-*.jsonl.xz") if (name := path.name[:-3]) not in pools)
