@@ -132,6 +132,7 @@ def test_model_card_sums_up_earlier_stages(qwen3):
         }  # fmt: skip
 
     provenance = stage(4000, "c" * 40, 2.9, stage(3000, "b" * 40, 2.5, stage(100, "a" * 40, None, None)))
+    del provenance["previous"]["previous"]["data"]  # an early stage that recorded no data
     rows = card_rows(provenance)
     assert rows["step"] == "4000" and rows["training.batch_size"] == "8"
     assert not any(key.startswith("previous") for key in rows)  # summed up below instead
@@ -140,6 +141,7 @@ def test_model_card_sums_up_earlier_stages(qwen3):
     assert stages[0]["commit"] == "b" * 12 and stages[0]["steps x documents"] == "3000 x 8"
     assert stages[0]["command"] == "train.py --max-minutes 5" and stages[0]["training documents"] == "12,754"
     assert stages[0]["teacher-forced tau, last batch"] == "2.50" and stages[1]["teacher-forced tau, last batch"] == "-"
+    assert stages[1]["training documents"] == "-"
     text = str(tiny_head(qwen3).model_card(provenance=rows, earlier_stages=stages))
     assert "| stages back | command | commit |" in text and "| 2 | train.py --max-minutes 5 | aaaaaaaaaaaa |" in text
     assert "previous." not in text

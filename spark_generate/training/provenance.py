@@ -100,13 +100,14 @@ def earlier_stages(record: dict) -> list[dict[str, str]]:
     while isinstance(stage, dict):
         training = stage.get("training") or {}
         argv = stage.get("argv") or []
+        documents = (stage.get("data") or {}).get("num_sequences")
         tau = (stage.get("teacher_forced_metrics") or {}).get("tau")
         rows.append({
             "stages back": str(len(rows) + 1),
             "command": " ".join([Path(argv[0]).name, *argv[1:]]) if argv else "unrecorded",
             "commit": (stage.get("git_commit") or "unrecorded")[:12],
             "steps x documents": f"{stage.get('step', '?')} x {training.get('batch_size', '?')}",
-            "training documents": f"{(stage.get('data') or {}).get('num_sequences', '?'):,}",
+            "training documents": "-" if documents is None else f"{documents:,}",
             "teacher-forced tau, last batch": "-" if tau is None else f"{tau:.2f}",
         })  # fmt: skip
         stage = stage.get("previous")
