@@ -17,7 +17,11 @@ several times larger, session after session, and keeps every step of it committe
    ``prompts-complete-packages.jsonl``, source ``package_complete``), then those of pure-Python
    utility libraries, the closest to HumanEval's small functions on sequences, strings and dicts
    (more-itertools, toolz, boltons, pydash, funcy, ...: ``prompts-complete-utilities.jsonl``, source
-   ``utility_complete``; the ``data`` extra pins them).
+   ``utility_complete``; the ``data`` extra pins them), then a library of classic algorithms and
+   one of string utilities (``prompts-complete-algorithms.jsonl``, ``algorithm_complete``), then
+   the CodeIO programs of reasoning-gym that the recipe does not ask for, each ``main_solution``
+   with its task and input/output spec as the docstring (``prompts-complete-codeio.jsonl``,
+   ``codeio_complete``).
 2. ``magpie``: the target writes requests itself
    (:class:`~spark_generate.training.prompt_synthesis.MagpieSource`: its chat template's opening of
    a user turn, steered toward code, math or chat), pool after pool of ``MAGPIE_POOLS`` (another
@@ -64,10 +68,12 @@ from spark_generate import prompt_sets, retain_freed_memory, zoo
 from spark_generate.training.prompt_synthesis import (
     MagpieSettings,
     MagpieSource,
+    PromptListSource,
     ReasoningGymSettings,
     ReasoningGymSource,
     StdlibSettings,
     StdlibSource,
+    codeio_completions,
     synthesize_prompts,
 )
 from spark_generate.training.regenerate import (
@@ -143,10 +149,39 @@ UTILITY_MODULES = (
 )  # fmt: skip
 """Modules of pure-Python utility libraries (the ``data`` extra) whose functions are asked for."""
 
+ALGORITHM_MODULES = (
+    "algorithms.array", "algorithms.backtracking", "algorithms.bit_manipulation", "algorithms.common",
+    "algorithms.compression", "algorithms.data_structures", "algorithms.dynamic_programming", "algorithms.graph",
+    "algorithms.greedy", "algorithms.heap", "algorithms.linked_list", "algorithms.map", "algorithms.math",
+    "algorithms.matrix", "algorithms.queue", "algorithms.searching", "algorithms.set", "algorithms.sorting",
+    "algorithms.stack", "algorithms.streaming", "algorithms.string", "algorithms.tree", "string_utils",
+)  # fmt: skip
+"""Modules of a library of classic algorithms (arrays, strings, graphs, dynamic programming) and string utilities."""
+
+
+@dataclass(frozen=True)
+class CodeIOCompletionSet:
+    """CodeIO's tasks to complete in HumanEval's form (:func:`codeio_completions`).
+
+    Attributes:
+        file: Where they are written (in :func:`folder`, archived as ``<file>.xz``).
+        source: The source recorded per prompt, and the name of their slices.
+    """
+
+    file: str
+    source: str
+
+    def prompt_source(self) -> PromptListSource:
+        """The tasks past those the recipe's prompts ask for, each as its ``main_solution`` to complete."""
+        return PromptListSource(self.source, codeio_completions(), domain="code")
+
+
 COMPLETION_SETS = (
     CompletionSet("prompts-complete.jsonl", "stdlib_complete", None),  # 3,161 kept
     CompletionSet("prompts-complete-packages.jsonl", "package_complete", PACKAGE_MODULES),  # 3,169 kept
-    CompletionSet("prompts-complete-utilities.jsonl", "utility_complete", UTILITY_MODULES),
+    CompletionSet("prompts-complete-utilities.jsonl", "utility_complete", UTILITY_MODULES),  # 955 kept
+    CompletionSet("prompts-complete-algorithms.jsonl", "algorithm_complete", ALGORITHM_MODULES),
+    CodeIOCompletionSet("prompts-complete-codeio.jsonl", "codeio_complete"),
 )
 
 MAGPIE_POOLS = (

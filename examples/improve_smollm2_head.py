@@ -146,6 +146,8 @@ SOURCE_DESCRIPTIONS = {
     "stdlib_complete": "standard-library functions to complete in HumanEval's form",
     "package_complete": "installed packages' functions to complete in HumanEval's form",
     "utility_complete": "utility libraries' functions to complete in HumanEval's form",
+    "algorithm_complete": "classic algorithms and string utilities to complete in HumanEval's form",
+    "codeio_complete": "CodeIO programs (reasoning-gym) to complete in HumanEval's form from their task",
     "magpie": "requests the target wrote itself, Magpie-style",
 }
 """How the card names the synthesized prompts of each source of ``grow_corpus.py`` (``magpie_s1``: as ``magpie``)."""

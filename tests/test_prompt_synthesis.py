@@ -9,6 +9,7 @@ sources (many distinct prompts, none near an evaluation prompt, the same in ever
 """
 
 import ast
+import gzip
 import importlib
 import importlib.metadata
 import json
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -37,6 +39,7 @@ from spark_generate.training.prompt_synthesis import (
     StdlibSettings,
     StdlibSource,
     Steering,
+    codeio_completions,
     pre_query_template,
     rejection_reason,
     synthesize_prompts,
@@ -498,6 +501,29 @@ def test_completion_requests_are_humaneval_stubs_of_functions_that_parse(tmp_pat
     with pytest.raises(ValueError, match=r"a 'complete' request about the class fractions.Fraction"):
         StdlibSource.request(fraction, "complete")
     assert len(StdlibSource(StdlibSettings(modules=modules))) == 2 * len(source.objects)  # the default kinds
+
+
+def test_codeio_requests_complete_main_solution_with_its_task_and_spec_as_docstring():
+    path = prompt_sets._package_dir("reasoning_gym") / "data" / "codeio.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        items = [json.loads(line) for line in file]
+    requests = codeio_completions()
+    assert len(requests) > 1900 and codeio_completions(skip=0)[-len(requests) :] == requests
+    unseen = [item["task_description"] for item in items[prompt_sets.NUM_CODEIO_TASKS :]]
+    for request, item in zip(requests[:300], items[prompt_sets.NUM_CODEIO_TASKS :], strict=False):
+        head, code = request.split("```python\n")
+        assert head == "Complete the following Python function.\n\n" and code.endswith('    """\n```')
+        (function,) = ast.parse(code.removesuffix("```") + "    pass\n").body  # a whole def, its body to write
+        with warnings.catch_warnings():  # the programs' own invalid escapes
+            warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+            program = ast.parse(item["code_sample"]).body
+        (original,) = [node for node in program if getattr(node, "name", "") == "main_solution"]
+        assert function.name == "main_solution" and ast.dump(function.args) == ast.dump(original.args)
+        expected = (item["task_description"] + item["input_output_spec"]).replace('"""', "'''")
+        assert "".join(ast.get_docstring(function).split()) == "".join(expected.split())  # wrapped, escaped, whole
+    asked = " ".join(prompt_sets.load_prompts("code", "train"))
+    first = items[prompt_sets.NUM_CODEIO_TASKS - 1]["task_description"]
+    assert first in asked and not any(description in asked for description in unseen)  # the recipe asks for those
 
 
 def test_an_installed_package_is_read_like_the_stdlib_and_its_version_recorded():

@@ -71,10 +71,12 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
 import functools
+import gzip
 import hashlib
 import importlib
 import importlib.metadata
@@ -135,6 +137,7 @@ __all__ = [
     "StdlibSource",
     "Steering",
     "SynthesisResult",
+    "codeio_completions",
     "pre_query_template",
     "rejection_reason",
     "stdlib_objects",
@@ -1087,6 +1090,53 @@ class StdlibSource:
             Candidate(self.request(obj, kind), "code", index, {"object": obj.name, "kind": kind})
             for index, (obj, kind) in zip(range(start, stop), self._requests[start:stop], strict=True)
         ]
+
+
+def _codeio_stub(signature: str, description: str, spec: str) -> str:
+    """CodeIO's ``main_solution`` to complete: its signature, the task and its input/output spec as the docstring."""
+    lines = [*textwrap.wrap(description, width=76), ""]
+    for line in spec.strip().splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(line, width=76, subsequent_indent=indent + "    ") or [""]
+    text = "\n".join(lines).replace("\\", "\\\\").replace('"""', "'''")
+    return f'def main_solution{signature}:\n    """{textwrap.indent(text, "    ").lstrip()}\n    """\n'
+
+
+def codeio_completions(skip: int = prompt_sets.NUM_CODEIO_TASKS) -> list[str]:
+    """CodeIO's tasks (reasoning-gym's ``codeio.jsonl.gz``) past the first ``skip``, as functions to complete.
+
+    Each item is a real program whose entry point ``main_solution`` a task description and an
+    input/output spec explain; the request asks, in HumanEval's form (:data:`REQUEST_KINDS`
+    ``complete``), to complete ``main_solution`` from its signature as the item's code writes it, with
+    the description and the spec as its docstring. The first ``skip`` items are left out
+    (:mod:`spark_generate.prompt_sets` already asks for them as "write it" tasks), and so are items
+    whose code does not parse or defines no top-level ``main_solution``.
+
+    Returns:
+        The requests, in the items' order.
+
+    Raises:
+        ModuleNotFoundError: If reasoning-gym is not installed.
+    """
+    path = Path(_reasoning_gym().__file__).parent / "data" / "codeio.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        items = [json.loads(line) for line in file if line.strip()][skip:]
+    requests = []
+    for item in items:
+        try:
+            with warnings.catch_warnings():  # the programs' own invalid escapes
+                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                tree = ast.parse(item["code_sample"])
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main_solution":
+                returns = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
+                stub = _codeio_stub(f"({ast.unparse(node.args)}){returns}", item["task_description"],
+                                    item["input_output_spec"])  # fmt: skip
+                requests.append(REQUEST_KINDS["complete"].format(stub=stub))
+                break
+    return requests
 
 
 class PromptListSource:
