@@ -55,6 +55,7 @@ __all__ = [
     "SPLITS",
     "TRAINING_SETS",
     "NearDuplicateIndex",
+    "codeio_items",
     "evaluation_prompts",
     "load_prompts",
     "mixed_training_prompts",
@@ -137,9 +138,14 @@ def _humaneval(split: str) -> list[str]:
     ]
 
 
+def codeio_items() -> list[dict]:
+    """The CodeIO items shipped in reasoning-gym (``data/codeio.jsonl.gz``: a program, its task and spec), in order."""
+    return _jsonl(_package_dir("reasoning_gym") / "data" / "codeio.jsonl.gz")
+
+
 def _codeio() -> list[str]:
     """CodeIO tasks: the first items as "write it" tasks, later short ones as requests about their code."""
-    items = _jsonl(_package_dir("reasoning_gym") / "data" / "codeio.jsonl.gz")
+    items = codeio_items()
     prompts = [
         f"Write a Python function `main_solution` for this task.\n\n{item['task_description']}\n\n"
         f"{item['input_output_spec']}"

@@ -9,7 +9,6 @@ sources (many distinct prompts, none near an evaluation prompt, the same in ever
 """
 
 import ast
-import gzip
 import importlib
 import importlib.metadata
 import json
@@ -504,9 +503,7 @@ def test_completion_requests_are_humaneval_stubs_of_functions_that_parse(tmp_pat
 
 
 def test_codeio_requests_complete_main_solution_with_its_task_and_spec_as_docstring():
-    path = prompt_sets._package_dir("reasoning_gym") / "data" / "codeio.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as file:
-        items = [json.loads(line) for line in file]
+    items = prompt_sets.codeio_items()
     requests = codeio_completions()
     assert len(requests) > 1900 and codeio_completions(skip=0)[-len(requests) :] == requests
     unseen = [item["task_description"] for item in items[prompt_sets.NUM_CODEIO_TASKS :]]

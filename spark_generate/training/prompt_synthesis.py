@@ -76,7 +76,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import gzip
 import hashlib
 import importlib
 import importlib.metadata
@@ -1004,10 +1003,19 @@ def _can_ask(kind: str, obj: StdlibObject) -> bool:
     return kind != "complete" or (obj.what != "class" and obj.signature not in ("", "(...)"))
 
 
+def _docstring_safe(text: str) -> str:
+    """``text`` as it can stand inside a triple-quoted docstring (backslashes doubled, no closing quotes)."""
+    return text.replace("\\", "\\\\").replace('"""', "'''")
+
+
+def _function_stub(name: str, signature: str, docstring: str) -> str:
+    """``def name(signature):`` with ``docstring`` (wrapped and made safe already) indented under it, no body."""
+    return f'def {name}{signature}:\n    """{textwrap.indent(docstring, "    ").lstrip()}\n    """\n'
+
+
 def _stub(name: str, signature: str, summary: str) -> str:
     """A function to complete, HumanEval's way: its signature, the summary as its docstring (wrapped, indented)."""
-    text = textwrap.fill(summary.replace("\\", "\\\\").replace('"""', "'''"), width=76)
-    return f'def {name}{signature}:\n    """{textwrap.indent(text, "    ").lstrip()}\n    """\n'
+    return _function_stub(name, signature, textwrap.fill(_docstring_safe(summary), width=76))
 
 
 class StdlibSource:
@@ -1098,8 +1106,7 @@ def _codeio_stub(signature: str, description: str, spec: str) -> str:
     for line in spec.strip().splitlines():
         indent = line[: len(line) - len(line.lstrip())]
         lines += textwrap.wrap(line, width=76, subsequent_indent=indent + "    ") or [""]
-    text = "\n".join(lines).replace("\\", "\\\\").replace('"""', "'''")
-    return f'def main_solution{signature}:\n    """{textwrap.indent(text, "    ").lstrip()}\n    """\n'
+    return _function_stub("main_solution", signature, _docstring_safe("\n".join(lines)))
 
 
 def codeio_completions(skip: int = prompt_sets.NUM_CODEIO_TASKS) -> list[str]:
@@ -1116,13 +1123,10 @@ def codeio_completions(skip: int = prompt_sets.NUM_CODEIO_TASKS) -> list[str]:
         The requests, in the items' order.
 
     Raises:
-        ModuleNotFoundError: If reasoning-gym is not installed.
+        ModuleNotFoundError: If reasoning-gym is not installed (names the install command).
     """
-    path = Path(_reasoning_gym().__file__).parent / "data" / "codeio.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as file:
-        items = [json.loads(line) for line in file if line.strip()][skip:]
     requests = []
-    for item in items:
+    for item in prompt_sets.codeio_items()[skip:]:
         try:
             with warnings.catch_warnings():  # the programs' own invalid escapes
                 warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
